@@ -1,0 +1,81 @@
+"""What ``kiln.compile`` did: kernels, solver statistics, fallbacks, timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class KernelReport:
+    index: int
+    template: str
+    primitives: list[str]  # primitive ops, in order
+    executor: str  # native | extern | fallback
+    predicted_us: float
+    measured_us: float | None = None
+    note: str = ""
+
+
+@dataclass
+class SolverReport:
+    method: str  # blp | greedy | none
+    status: str
+    objective_us: float
+    bound_us: float
+    gap: float
+    time_s: float
+    candidates: int
+    cuts: int = 0
+    greedy_objective_us: float | None = None  # the greedy baseline under the same costs
+
+
+@dataclass
+class Fallback:
+    op: str  # the ATen op or primitive kernel that runs through PyTorch
+    reason: str
+
+
+@dataclass
+class CompileReport:
+    model: str
+    nodes: int
+    kernels: list[KernelReport] = field(default_factory=list)
+    solver: SolverReport | None = None
+    fallbacks: list[Fallback] = field(default_factory=list)
+    timings_s: dict[str, float] = field(default_factory=dict)
+    cache_hit: bool = False
+    executor: str = "native"
+    verification: str = "not run"
+    isa: str = ""
+
+    def summary(self) -> str:
+        s = self.solver
+        lines = [
+            f"kiln: {self.model}: {self.nodes} primitives -> {len(self.kernels)} kernels "
+            f"({sum(k.executor == 'native' for k in self.kernels)} native), executor={self.executor}, "
+            f"isa={self.isa}",
+        ]
+        if s is not None:
+            lines.append(
+                f"  solver {s.method}: {s.status}, objective {s.objective_us:.1f} us, bound "
+                f"{s.bound_us:.1f} us, gap {s.gap:.2%}, {s.candidates} candidates, {s.time_s:.2f} s"
+                + (f", greedy {s.greedy_objective_us:.1f} us" if s.greedy_objective_us else "")
+            )
+        lines.append("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings_s.items()))
+        lines.append(f"  verification: {self.verification}")
+        for f in self.fallbacks:
+            lines.append(f"  fallback: {f.op}: {f.reason}")
+        return "\n".join(lines)
+
+    def kernel_table(self) -> str:
+        rows = [f"{'#':>3} {'template':<10} {'exec':<8} {'pred us':>8}  primitives"]
+        for k in self.kernels:
+            rows.append(
+                f"{k.index:>3} {k.template:<10} {k.executor:<8} {k.predicted_us:>8.2f}  "
+                + " ".join(k.primitives)
+                + (f"  ({k.note})" if k.note else "")
+            )
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.summary()
