@@ -61,8 +61,10 @@ def test_view_access_and_materialisation() -> None:
     assert storage_root(g, v) == y
     # A reshape of a permuted view needs the permuted value materialised first.
     assert access(g, v) == p
-    kernels = [Kernel("single", (g.values[y].producer,), (y,), (x,)),
-               Kernel("single", (g.values[z].producer,), (z,), (y,))]
+    kernels = [
+        Kernel("single", (g.values[y].producer,), (y,), (x,)),
+        Kernel("single", (g.values[z].producer,), (z,), (y,)),
+    ]
     prog = build_program(g, kernels)
     assert [k.template for k in prog.kernels] == ["single", "copy", "single"]
     assert prog.kernels[1].outputs == (p,)
