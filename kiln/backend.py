@@ -20,7 +20,11 @@ Tensor = torch.Tensor
 def _real(t: Any) -> Any:
     """Dynamo may pass fake tensors; kiln compiles (and verifies) on real ones."""
     if isinstance(t, Tensor):
-        return torch.randn(t.shape, dtype=t.dtype) if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype)
+        return (
+            torch.randn(t.shape, dtype=t.dtype)
+            if t.is_floating_point()
+            else torch.zeros(t.shape, dtype=t.dtype)
+        )
     return t
 
 
@@ -34,7 +38,9 @@ def kiln_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Cal
     try:
         compiled = kiln_compile(gm, inputs)
     except Exception as e:  # noqa: BLE001 - never break the user's model: run it unfused
-        warnings.warn(f"kiln backend: could not compile this graph ({e}); running it as is", stacklevel=2)
+        warnings.warn(
+            f"kiln backend: could not compile this graph ({e}); running it as is", stacklevel=2
+        )
         return gm.forward
     shapes = [tuple(t.shape) for t in inputs]
 

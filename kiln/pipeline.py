@@ -75,7 +75,9 @@ def compile(
     return compile_with(model, tuple(example_inputs), opts)
 
 
-def compile_with(model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opts: CompileOptions) -> CompiledModule:
+def compile_with(
+    model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opts: CompileOptions
+) -> CompiledModule:
     times: dict[str, float] = {}
     t0 = time.perf_counter()
     cap = capture(model, example_inputs)
@@ -108,7 +110,9 @@ def compile_with(model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opt
     return compiled
 
 
-def _orchestrate(graph: Graph, costs: CostModel, opts: CompileOptions) -> tuple[Orchestration, SolverReport]:
+def _orchestrate(
+    graph: Graph, costs: CostModel, opts: CompileOptions
+) -> tuple[Orchestration, SolverReport]:
     cands = enumerate_candidates(graph, max_nodes=opts.max_kernel_nodes)
     cost_of = {c: costs.estimate(c, graph) for c in cands}
     greedy = greedy_fusion(graph, cost_of)
@@ -132,10 +136,14 @@ def _orchestrate(graph: Graph, costs: CostModel, opts: CompileOptions) -> tuple[
 
 def _kernel(graph: Graph, c: Candidate, costs: CostModel) -> Kernel:
     order = [n.name for n in graph.nodes if n.name in c.nodes]
-    return Kernel(c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.estimate(c, graph))
+    return Kernel(
+        c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.estimate(c, graph)
+    )
 
 
-def _executor(prog: Program, opts: CompileOptions, times: dict[str, float], report: CompileReport) -> tuple:
+def _executor(
+    prog: Program, opts: CompileOptions, times: dict[str, float], report: CompileReport
+) -> tuple:
     if opts.executor == "reference":
         return ReferenceExecutor(prog), None
     t0 = time.perf_counter()
@@ -143,7 +151,9 @@ def _executor(prog: Program, opts: CompileOptions, times: dict[str, float], repo
     times["codegen"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     runtime = build.load_runtime()
-    report.cache_hit = (build.cache_dir() / "programs" / f"{build.program_key(cpp.source)}.so").exists()
+    report.cache_hit = (
+        build.cache_dir() / "programs" / f"{build.program_key(cpp.source)}.so"
+    ).exists()
     so_path = build.compile_program(cpp.source)
     times["build"] = time.perf_counter() - t0
     native = NativeExecutor(prog, cpp, str(so_path), runtime)
@@ -169,7 +179,14 @@ def _fill_kernels(report: CompileReport, prog: Program, cpp: CppProgram | None) 
         else:
             ex = "extern" if is_extern(g, k) else "native"
         report.kernels.append(
-            KernelReport(i, k.template, [g.node(n).op for n in k.nodes] or ["copy"], ex, k.cost_us, note=fallback.get(i, ""))
+            KernelReport(
+                i,
+                k.template,
+                [g.node(n).op for n in k.nodes] or ["copy"],
+                ex,
+                k.cost_us,
+                note=fallback.get(i, ""),
+            )
         )
 
 
@@ -197,7 +214,9 @@ def _verify(
         report.verification = f"ok ({len(results)} outputs, max error rel-to-max {worst:.2e})"
         return
     where = _locate_divergence(compiled, prog, inputs)
-    msg = "; ".join(f"output {i}: {r.detail}" for i, r in bad) + (f"; first divergence: {where}" if where else "")
+    msg = "; ".join(f"output {i}: {r.detail}" for i, r in bad) + (
+        f"; first divergence: {where}" if where else ""
+    )
     report.verification = f"FAILED: {msg}"
     if opts.on_mismatch == "raise":
         raise VerificationError(f"kiln output differs from eager: {msg}")

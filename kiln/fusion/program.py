@@ -165,12 +165,13 @@ def _plan_arena(
     offsets: dict[str, int] = {}
     for v in sorted(values, key=lambda v: (-size(v), birth[v])):
         b, d, sz = birth[v], death.get(v, birth[v]), size(v)
-        busy = sorted((o, e) for o, e, pb, pd in placed if not (pd < b or d < pb))
-        best, cursor = None, 0
-        for o, e in busy:
-            if o - cursor >= sz and (best is None or o - cursor < best[1]):
-                best = (cursor, o - cursor)
-            cursor = max(cursor, e)
+        busy = sorted((lo, hi) for lo, hi, pb, pd in placed if not (pd < b or d < pb))
+        best: tuple[int, int] | None = None
+        cursor = 0
+        for lo, hi in busy:
+            if lo - cursor >= sz and (best is None or lo - cursor < best[1]):
+                best = (cursor, lo - cursor)
+            cursor = max(cursor, hi)
         off = best[0] if best is not None else cursor
         placed.append((off, off + sz, b, d))
         offsets[v] = off

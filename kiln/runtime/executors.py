@@ -80,9 +80,7 @@ class NativeExecutor:
     def __init__(self, prog: Program, cpp: CppProgram, so_path: str, runtime: Any) -> None:
         g = prog.graph
         self.prog, self.cpp = prog, cpp
-        externs = [
-            (e.fn, [[n] for n in e.root_numels], e.root_dtypes) for e in cpp.externs
-        ]
+        externs = [(e.fn, [[n] for n in e.root_numels], e.root_dtypes) for e in cpp.externs]
         self.native = runtime.Program(
             so_path,
             cpp.params,

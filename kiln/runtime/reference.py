@@ -116,7 +116,8 @@ def run_opaque(node: Node, args: Sequence[Tensor]) -> Tensor:
 
     call_args = fill(node.attrs["args"])
     call_kwargs = {k: fill(v) for k, v in node.attrs.get("kwargs", {}).items()}
-    out = node.attrs["target"](*call_args, **call_kwargs)  # type: ignore[operator]
+    assert isinstance(call_args, (list, tuple))
+    out = node.attrs["target"](*call_args, **call_kwargs)
     if isinstance(out, (tuple, list)):
         out = out[node.attrs.get("output_index", 0)]
     return out

@@ -24,12 +24,21 @@ class Comparison:
     detail: str
 
 
-def compare(actual: torch.Tensor, expected: torch.Tensor, rtol_to_max: float | None = None) -> Comparison:
+def compare(
+    actual: torch.Tensor, expected: torch.Tensor, rtol_to_max: float | None = None
+) -> Comparison:
     """Shape, then dtype, then values (max error relative to the reference's max magnitude)."""
     if actual.shape != expected.shape:
-        return Comparison(False, float("inf"), float("inf"), f"shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+        return Comparison(
+            False,
+            float("inf"),
+            float("inf"),
+            f"shape {tuple(actual.shape)} != {tuple(expected.shape)}",
+        )
     if actual.dtype != expected.dtype:
-        return Comparison(False, float("inf"), float("inf"), f"dtype {actual.dtype} != {expected.dtype}")
+        return Comparison(
+            False, float("inf"), float("inf"), f"dtype {actual.dtype} != {expected.dtype}"
+        )
     if actual.numel() == 0:
         return Comparison(True, 0.0, 0.0, "empty")
     if not actual.is_floating_point():
@@ -47,7 +56,9 @@ def compare(actual: torch.Tensor, expected: torch.Tensor, rtol_to_max: float | N
     scale = float(e[finite].abs().max()) if diff.numel() else 0.0
     max_rel = max_abs / scale if scale > 0 else max_abs
     tol = rtol_to_max if rtol_to_max is not None else RTOL_TO_MAX.get(expected.dtype, 1e-4)
-    return Comparison(max_rel <= tol, max_abs, max_rel, f"max abs {max_abs:.3g}, rel-to-max {max_rel:.3g}")
+    return Comparison(
+        max_rel <= tol, max_abs, max_rel, f"max abs {max_abs:.3g}, rel-to-max {max_rel:.3g}"
+    )
 
 
 def compare_all(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[Comparison]:

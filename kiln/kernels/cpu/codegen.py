@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from kiln.kernels.cpu.pack import pack_b
 
 from kiln.fusion.ir import Graph, Node, OpClass
 from kiln.fusion.layout import Access, access, contiguous_strides
@@ -20,6 +19,7 @@ from kiln.fusion.program import Kernel, Program, Slot, is_extern
 from kiln.kernels.cpu.emit import NATIVE_DTYPES, PRELUDE, Operand, cfloat, supports_pointwise
 from kiln.kernels.cpu.extern import Extern, conv_extern, reference_extern
 from kiln.kernels.cpu.gemm import GemmSpec, emit_gemm
+from kiln.kernels.cpu.pack import pack_b
 from kiln.kernels.cpu.pointwise import emit_copy, emit_pointwise
 from kiln.kernels.cpu.reduction import RowSpec, emit_rows
 
@@ -265,7 +265,7 @@ class _Gen:
             start += shape[dim]
         return lines
 
-    def dtypes(self) -> dict[str, object]:
+    def dtypes(self) -> dict[str, torch.dtype]:
         return {v: val.meta.dtype for v, val in self.g.values.items()}
 
 

@@ -48,7 +48,7 @@ def coalesce(
             dims[i] *= dims[i + 1]
             del dims[i + 1]
             for st in strides:
-                del st[i + 1]
+                del st[i]  # the merged dim steps like the inner one
         i -= 1
     if not dims:
         dims, strides = [1], [[0] for _ in operands]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kiln.fusion.ir import Node
 from kiln.kernels.cpu.emit import Operand, load, pointwise_expr, splat_load, store
 
@@ -29,7 +31,7 @@ class GemmSpec:
     ext: dict[str, Operand]  # epilogue operands, strides (batch, m, n)
     consts: dict[str, str]
     outs: dict[str, Operand]  # written values, strides (batch, m, n)
-    dtypes: dict[str, object]
+    dtypes: dict[str, torch.dtype]
 
 
 def packed_floats(k: int, n: int, nr: int) -> int:
@@ -126,7 +128,7 @@ def _epilogue(s: GemmSpec, batch_expr: str, n: str | None) -> list[str]:
     for m, node in enumerate(s.epilogue):
         expr = pointwise_expr(
             node, [names[i] for i in node.inputs], [s.dtypes[i] for i in node.inputs]
-        )  # type: ignore[misc]
+        )
         out.append(f"const kv::V y{m} = {expr};")
         names[node.output] = f"y{m}"
     for v, op in s.outs.items():

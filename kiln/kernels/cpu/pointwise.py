@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from kiln.kernels.cpu.emit import Operand, coalesce, load, pointwise_expr, splat_load, store
 
 # A body receives, per operand, the element index of the current vector and the
@@ -92,7 +94,7 @@ def emit_pointwise(
     in_ops: dict[str, Operand],  # external value -> operand (strides over the kernel shape)
     consts: dict[str, str],  # 0-d constant value -> C++ float literal
     out_ops: dict[str, Operand],  # in-kernel value written to memory -> operand
-    dtypes: dict[str, object],
+    dtypes: dict[str, torch.dtype],
     shape: tuple[int, ...],
     threads: int,
 ) -> list[str]:
@@ -111,7 +113,7 @@ def emit_pointwise(
             names[v] = f"kv::splat({lit})"
         for m, node in enumerate(nodes):
             args = [names[i] for i in node.inputs]
-            expr = pointwise_expr(node, args, [dtypes[i] for i in node.inputs])  # type: ignore[misc]
+            expr = pointwise_expr(node, args, [dtypes[i] for i in node.inputs])
             names[node.output] = f"y{m}"
             lines.append(f"const kv::V y{m} = {expr};")
         for k, v in enumerate(outs):

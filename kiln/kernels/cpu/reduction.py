@@ -37,7 +37,7 @@ class RowSpec:
     consts: dict[str, str]
     row_out: dict[str, Operand]
     scalar_out: dict[str, Operand]
-    dtypes: dict[str, object]
+    dtypes: dict[str, torch.dtype]
 
 
 def _levels(spec: RowSpec) -> dict[str, int]:
@@ -121,7 +121,7 @@ def emit_rows(spec: RowSpec, threads: int) -> list[str]:
             if level[n.output] == q:
                 expr = pointwise_expr(
                     n, [sym[i] for i in n.inputs], [spec.dtypes[i] for i in n.inputs]
-                )  # type: ignore[misc]
+                )
                 sym[n.output] = f"z{spec.nodes.index(n)}"
                 L.append(f"    const kv::V {sym[n.output]} = {expr};")
 
@@ -213,7 +213,7 @@ def _row_loop(
                 )
                 loc[v] = f"c{scr_slot[v]}"
         for m in here:
-            expr = pointwise_expr(m, [loc[i] for i in m.inputs], [spec.dtypes[i] for i in m.inputs])  # type: ignore[misc]
+            expr = pointwise_expr(m, [loc[i] for i in m.inputs], [spec.dtypes[i] for i in m.inputs])
             nm = f"y{spec.nodes.index(m)}"
             out.append(f"const kv::V {nm} = {expr};")
             loc[m.output] = nm
