@@ -44,14 +44,34 @@ class _Gen:
         self.slot: dict[str, int] = {}  # stored value -> pointer table index
         self.params: list[torch.Tensor] = []
         self.externs: list[Extern] = []
-        self.extern_of: dict[int, int] = {}
+        self.local: list[str] | None = None  # operand pointers of the kernel being emitted
+        self.functions: dict[str, str] = {}  # kernel body -> function name
 
     # -- pointers and operands ------------------------------------------------
     def ptr(self, root: str) -> str:
+        """C++ pointer expression for a stored value: inside a kernel function a local
+        operand ``ops[i]`` (so identical kernels share one function), else ``P[slot]``."""
         if root not in self.slot:
             self.slot[root] = len(self.slot)
         ctype = "uint8_t" if self.g.meta(root).dtype == torch.bool else "float"
-        return f"(({ctype}*)P[{self.slot[root]}])"
+        if self.local is None:
+            return f"(({ctype}*)P[{self.slot[root]}])"
+        return f"(({ctype}*)ops[{self.local_ref(f'P[{self.slot[root]}]')}])"
+
+    def local_ref(self, ref: str) -> int:
+        """Index of pointer expression ``ref`` in the current kernel's operand array."""
+        assert self.local is not None
+        if ref not in self.local:
+            self.local.append(ref)
+        return self.local.index(ref)
+
+    def function(self, body: list[str], refs: list[str]) -> list[str]:
+        """Emit ``body`` as a kernel function (once per distinct body); return its call."""
+        text = "\n".join("  " + line for line in body)
+        name = self.functions.get(text)
+        if name is None:
+            name = self.functions[text] = f"k{len(self.functions)}"
+        return [f"  {{ char* const a[] = {{{', '.join(refs)}}}; {name}(a, rt); }}"]
 
     def operand(self, value: str, shape: tuple[int, ...]) -> Operand:
         a = self.prog.access(value).broadcast_to(shape)
@@ -216,7 +236,7 @@ class _Gen:
             w = self.g.constants[b_val].float()
             ws = w if batched else w.unsqueeze(0)
             packed = torch.cat([pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])])
-            b_packed = f"((const float*)PP[{len(self.params)}])"
+            b_packed = f"((const float*)ops[{self.local_ref(f'(char*)PP[{len(self.params)}]')}])"
             self.params.append(packed)
         else:
             b_op = b3(self.operand(b_val, self.g.meta(b_val).shape))
@@ -283,30 +303,31 @@ def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
                 ext = conv_extern(g, k, prog, out) if _is_conv(g, k) else None
                 calls += _extern_call(gen, ext or reference_extern(g, k, prog, out), out)
             continue
+        gen.local = []
         try:
             body = gen.kernel(k)
         except (Unsupported, ValueError) as e:
+            gen.local = None
             fallbacks.append((idx, str(e)))
             for out in k.outputs:
                 calls += _extern_call(gen, reference_extern(g, k, prog, out), out)
             continue
         native.append(idx)
-        bodies.append(
-            f"static void k{idx}(char* const* P, void* const* PP, const KilnRuntime* rt) {{"
-        )
-        bodies += ["  " + line for line in body]
-        bodies.append("}")
-        calls.append(f"  k{idx}(P, PP, rt);")
+        calls += gen.function(body, gen.local)
+        gen.local = None
     for j, v in prog.final_copies:
         shape = g.meta(v).shape
+        gen.local = []
         src = gen.operand(v, shape)
-        dst = Operand(
-            f"(({'uint8_t' if g.meta(v).dtype == torch.bool else 'float'}*)buffers[{len(g.inputs) + j}])",
-            g.meta(v).dtype,
-            0,
-            contiguous_strides(shape),
-        )
-        calls += ["  {"] + ["    " + x for x in emit_copy(src, dst, shape, threads)] + ["  }"]
+        ctype = "uint8_t" if g.meta(v).dtype == torch.bool else "float"
+        out = gen.local_ref(f"(char*)buffers[{len(g.inputs) + j}]")
+        dst = Operand(f"(({ctype}*)ops[{out}])", g.meta(v).dtype, 0, contiguous_strides(shape))
+        calls += gen.function(emit_copy(src, dst, shape, threads), gen.local)
+        gen.local = None
+    for text, name in gen.functions.items():
+        bodies.append(f"static void {name}(char* const* ops, const KilnRuntime* rt) {{")
+        bodies.append(text)
+        bodies.append("}")
     return CppProgram(
         _assemble(gen, bodies, calls), gen.params, gen.externs, prog.arena_bytes, native, fallbacks
     )
