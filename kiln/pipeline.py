@@ -78,36 +78,48 @@ def compile(
 def compile_with(
     model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opts: CompileOptions
 ) -> CompiledModule:
-    times: dict[str, float] = {}
     t0 = time.perf_counter()
     cap = capture(model, example_inputs)
-    graph = cap.graph
-    times["capture"] = time.perf_counter() - t0
+    capture_s = time.perf_counter() - t0
+    compiled = compile_graph(cap.graph, opts, name=type(model).__name__)
+    compiled.report.timings_s = {"capture": capture_s, **compiled.report.timings_s}
+    compiled.report.fallbacks[:0] = [Fallback(f.aten_op, f.reason) for f in cap.fallbacks]
+    compiled.set_output_spec(None if cap.out_spec.is_leaf() else cap.out_spec)
+    if opts.verify:
+        assert compiled.program is not None
+        _verify(compiled, model, example_inputs, compiled.program, opts, compiled.report)
+    return compiled
 
+
+def compile_graph(
+    graph: Graph,
+    opts: CompileOptions | None = None,
+    name: str = "graph",
+    kernels: list[Kernel] | None = None,
+) -> CompiledModule:
+    """Orchestrate and build a primitive graph (``kernels`` overrides the solver's choice).
+    The result takes and returns flat tensor lists through ``run_flat``."""
+    opts = opts or CompileOptions()
+    times: dict[str, float] = {}
     t0 = time.perf_counter()
-    profile = load_profile()
-    costs = CostModel(profile)
-    orch, solver_report = _orchestrate(graph, costs, opts)
-    kernels = [_kernel(graph, c, costs) for c in orch.kernels]
+    costs = CostModel(load_profile())
+    solver_report = None
+    if kernels is None:
+        orch, solver_report = _orchestrate(graph, costs, opts)
+        kernels = [_kernel(graph, c, costs) for c in orch.kernels]
     prog = build_program(graph, kernels)
     times["orchestrate"] = time.perf_counter() - t0
-
     report = CompileReport(
-        model=type(model).__name__,
+        model=name,
         nodes=len(graph.nodes),
         solver=solver_report,
-        fallbacks=[Fallback(f.aten_op, f.reason) for f in cap.fallbacks],
         executor=opts.executor,
         isa=build.isa(),
     )
     run, cpp = _executor(prog, opts, times, report)
     _fill_kernels(report, prog, cpp)
     report.timings_s = times
-    spec = None if cap.out_spec.is_leaf() else cap.out_spec
-    compiled = CompiledModule(run, graph, prog, report, spec, eager=model)
-    if opts.verify:
-        _verify(compiled, model, example_inputs, prog, opts, report)
-    return compiled
+    return CompiledModule(run, graph, prog, report, out_spec=None)
 
 
 def _orchestrate(

@@ -229,3 +229,31 @@ def _repeat(b: Builder, node: fx.Node) -> str:
     big = [d for r, s in zip(reps, shape, strict=True) for d in (r, s)]
     tiled = b.emit("copy", [b.expand(b.view(x, inter), big)])
     return b.view(tiled, out_shape(node))
+
+
+@register(aten.index_select.default)
+def _index_select(b: Builder, node: fx.Node) -> str:
+    x, dim, idx = pos(node)[:3]
+    xv, iv = b.tensor(x), b.tensor(idx)
+    if b.dtype(iv) != torch.int64 or len(b.shape(iv)) != 1:
+        raise Unsupported("index_select needs a 1-D int64 index")
+    return b.emit("index_select", [xv, iv], dim=norm_dim(int(dim), len(b.shape(xv))))
+
+
+@register(aten.embedding.default)
+def _embedding(b: Builder, node: fx.Node) -> str:
+    """weight[indices]: a row gather over the flattened indices, then a view."""
+    weight, indices = b.tensor(pos(node)[0]), b.tensor(pos(node)[1])
+    if b.dtype(indices) != torch.int64:
+        raise Unsupported("embedding indices must be int64")
+    idx_shape = b.shape(indices)
+    flat = indices if len(idx_shape) == 1 else b.view(b.contiguous(indices), (_numel(idx_shape),))
+    rows = b.emit("index_select", [weight, flat], dim=0)
+    return b.view(rows, (*idx_shape, b.shape(weight)[1]))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.fusion.aliases import GraphIndex, members
-from kiln.fusion.ir import Graph, Node, OpClass, ValueKind
+from kiln.fusion.ir import LAYOUT_VIEWS, Graph, Node, OpClass, ValueKind
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _node_kind(graph: Graph, node: Node) -> str:
     Native templates compute in float32 (bool only from comparison/logical ops and casts).
     """
     if node.cls == OpClass.LAYOUT:
-        return "view" if node.op != "cat" else "other"
+        return "view" if node.op in LAYOUT_VIEWS else "other"
     out = graph.meta(node.output).dtype
     out_ok = out == torch.float32 or (out == torch.bool and node.op in BOOL_OPS | {"cast"})
     ins_ok = all(graph.meta(v).dtype in _FUSIBLE_DTYPES for v in node.inputs)

@@ -100,7 +100,10 @@ LAYOUT_VIEWS = {
     "expand",  # attrs["shape"]: tuple[int, ...] (broadcast, stride 0)
     "slice",  # attrs dim, start, end, step
 }
-LAYOUT_COPIES = {"cat"}  # attrs["dim"]; inputs are the pieces, in order
+LAYOUT_COPIES = {
+    "cat",  # attrs["dim"]; inputs are the pieces, in order
+    "index_select",  # (x, idx int64 1-D); attrs["dim"]: out = x.index_select(dim, idx)
+}
 OPAQUE = {"opaque"}  # attrs: target (torch OpOverload), args/kwargs templates
 
 OPS: dict[str, OpClass] = {

@@ -48,6 +48,11 @@ class CompiledModule:
             return outs[0]
         return tree_unflatten(outs, self._out_spec)  # type: ignore[arg-type]
 
+    def set_output_spec(self, spec: TreeSpec | None) -> None:
+        """How flat outputs rebuild the model's output structure (None: one tensor)."""
+        self._out_spec = spec
+        self._single = spec is None
+
     def run_flat(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         """Flat tensors in, flat tensors out (the torch.compile backend's calling form)."""
         return self._run([a if a.is_contiguous() else a.contiguous() for a in inputs])

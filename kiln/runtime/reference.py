@@ -88,6 +88,8 @@ def eval_node(node: Node, args: Sequence[Tensor]) -> Tensor:
         return args[0].expand(a["shape"])
     if op == "slice":
         return args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)]
+    if op == "index_select":
+        return torch.index_select(args[0], a["dim"], args[1])
     if op == "cat":
         return torch.cat(list(args), dim=a["dim"])
     if op == "opaque":

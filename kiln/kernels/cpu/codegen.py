@@ -67,11 +67,13 @@ class _Gen:
 
     def function(self, body: list[str], refs: list[str]) -> list[str]:
         """Emit ``body`` as a kernel function (once per distinct body); return its call."""
-        text = "\n".join("  " + line for line in body)
+        text = "\n".join("  " + line for line in body) + "\n  return 0;"
         name = self.functions.get(text)
         if name is None:
             name = self.functions[text] = f"k{len(self.functions)}"
-        return [f"  {{ char* const a[] = {{{', '.join(refs)}}}; {name}(a, rt); }}"]
+        return [
+            f"  {{ char* const a[] = {{{', '.join(refs)}}}; if (int e = {name}(a, rt)) return e; }}"
+        ]
 
     def operand(self, value: str, shape: tuple[int, ...]) -> Operand:
         a = self.prog.access(value).broadcast_to(shape)
@@ -118,6 +120,8 @@ class _Gen:
             return self.gemm(k, nodes)
         if len(nodes) == 1 and nodes[0].op == "cat":
             return self.cat(nodes[0])
+        if len(nodes) == 1 and nodes[0].op == "index_select":
+            return self.index_select(nodes[0])
         raise Unsupported(f"no native template for {sorted(n.op for n in nodes)}")
 
     def external_inputs(self, k: Kernel, nodes: list[Node]) -> list[str]:
@@ -285,6 +289,49 @@ class _Gen:
             start += shape[dim]
         return lines
 
+    def index_select(self, node: Node) -> list[str]:
+        """out = x.index_select(dim, idx): rows of ``x`` picked by int64 indices
+        (embedding lookups, constant gathers); an index out of range returns error 2."""
+        x, idx = node.inputs
+        xs, out_shape = self.g.meta(x).shape, self.g.meta(node.output).shape
+        dim = node.attrs["dim"] % len(xs)
+        if self.g.meta(idx).dtype != torch.int64 or len(self.g.meta(idx).shape) != 1:
+            raise Unsupported("index_select needs a 1-D int64 index")
+        src = self.operand(x, xs)
+        ia = self.prog.access(idx)
+        ctx = self.local_ref(f"P[{self.slot.setdefault(ia.root, len(self.slot))}]")
+        ip = f"((const int64_t*)ops[{ctx}])"
+        dst = self.out_operand(node.output)
+        outer = 1
+        for s in xs[:dim]:
+            outer *= s
+        inner = 1
+        for s in xs[dim + 1 :]:
+            inner *= s
+        k, size = out_shape[dim], xs[dim]
+        # The source must walk the trailing dims contiguously for a flat row copy.
+        if inner > 1 and src.strides[dim + 1 :] != tuple(contiguous_strides(xs[dim + 1 :])):
+            raise Unsupported("index_select of a strided row")
+        o_terms = " + ".join(
+            [f"{src.offset}"]
+            + [f"((o / {_prod(xs[d + 1 : dim])}) % {xs[d]}) * {src.strides[d]}" for d in range(dim)]
+        )
+        return [
+            "int err = 0;",
+            f"for (int64_t o = 0; o < {outer}; ++o) {{",
+            f"  const int64_t ob = {o_terms};",
+            f"  for (int64_t q = 0; q < {k}; ++q) {{",
+            f"    int64_t r = {ip}[{ia.offset} + q * {ia.strides[0]}];",
+            f"    if (r < 0) r += {size};",
+            f"    if (r < 0 || r >= {size}) {{ err = 2; continue; }}",
+            f"    const {src.ctype}* s = {src.ptr} + ob + r * {src.strides[dim]};",
+            f"    {dst.ctype}* d = {dst.ptr} + (o * {k} + q) * {inner};",
+            f"    if ({inner} == 1) d[0] = s[0]; else std::memcpy(d, s, {inner} * sizeof({dst.ctype}));",
+            "  }",
+            "}",
+            "if (err) return err;",
+        ]
+
     def dtypes(self) -> dict[str, torch.dtype]:
         return {v: val.meta.dtype for v, val in self.g.values.items()}
 
@@ -320,17 +367,24 @@ def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
         gen.local = []
         src = gen.operand(v, shape)
         ctype = "uint8_t" if g.meta(v).dtype == torch.bool else "float"
-        out = gen.local_ref(f"(char*)buffers[{len(g.inputs) + j}]")
-        dst = Operand(f"(({ctype}*)ops[{out}])", g.meta(v).dtype, 0, contiguous_strides(shape))
+        slot = gen.local_ref(f"(char*)buffers[{len(g.inputs) + j}]")
+        dst = Operand(f"(({ctype}*)ops[{slot}])", g.meta(v).dtype, 0, contiguous_strides(shape))
         calls += gen.function(emit_copy(src, dst, shape, threads), gen.local)
         gen.local = None
     for text, name in gen.functions.items():
-        bodies.append(f"static void {name}(char* const* ops, const KilnRuntime* rt) {{")
+        bodies.append(f"static int {name}(char* const* ops, const KilnRuntime* rt) {{")
         bodies.append(text)
         bodies.append("}")
     return CppProgram(
         _assemble(gen, bodies, calls), gen.params, gen.externs, prog.arena_bytes, native, fallbacks
     )
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
 
 
 def _is_conv(g: Graph, k: Kernel) -> bool:
