@@ -41,6 +41,7 @@ def compile_model(
     name: str = typer.Argument(..., help="suite model name (see `kiln bench --list`)"),
     solver: str = typer.Option("blp", help="blp (the binary linear program) or greedy"),
     executor: str = typer.Option("native", help="native (generated C++) or reference (ATen)"),
+    profile: bool = typer.Option(False, help="time every kernel (measured column)"),
 ) -> None:
     """Compile one model of the benchmark suite and print the report and kernel table."""
     import torch
@@ -53,6 +54,11 @@ def compile_model(
         model, inputs = bm.build()
     with console.status(f"compiling {name} with kiln"):
         compiled = kiln.compile(model, inputs, solver=solver, executor=executor)  # type: ignore[arg-type]
+    if profile and executor == "native":
+        from kiln.runtime.profile import profile_kernels
+
+        with console.status("profiling kernels"):
+            profile_kernels(compiled, inputs)
     console.print(compiled.report.summary(), markup=False, highlight=False)
     console.print(compiled.report.kernel_table(), markup=False, highlight=False)
     with torch.no_grad():

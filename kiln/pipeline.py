@@ -9,7 +9,8 @@ from typing import Literal
 
 import torch
 
-from kiln.capture import capture
+from kiln.capture import CaptureResult, capture
+from kiln.capture import cache as capture_cache
 from kiln.fusion.candidates import Candidate, enumerate_candidates
 from kiln.fusion.cost import CostModel
 from kiln.fusion.greedy import greedy_fusion
@@ -42,6 +43,7 @@ class CompileOptions:
     solver: Literal["blp", "greedy"] = "blp"
     max_kernel_nodes: int = 16  # candidate size bound (keeps enumeration polynomial)
     measure: bool = False  # time candidates on this machine instead of the roofline model
+    cache: bool = True  # reuse a cached capture of the same model code, weights and shapes
 
     def __post_init__(self) -> None:
         if self.on_mismatch not in ("raise", "eager"):
@@ -64,6 +66,7 @@ def compile(
     solver: Literal["blp", "greedy"] = "blp",
     max_kernel_nodes: int = 16,
     measure: bool = False,
+    cache: bool = True,
 ) -> CompiledModule:
     """Compile ``model`` for the shapes of ``example_inputs``.
 
@@ -71,7 +74,7 @@ def compile(
     result differs from eager PyTorch (or falls back to eager with a warning when
     ``on_mismatch="eager"``).
     """
-    opts = CompileOptions(verify, on_mismatch, executor, solver, max_kernel_nodes, measure)
+    opts = CompileOptions(verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache)
     return compile_with(model, tuple(example_inputs), opts)
 
 
@@ -79,7 +82,7 @@ def compile_with(
     model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opts: CompileOptions
 ) -> CompiledModule:
     t0 = time.perf_counter()
-    cap = capture(model, example_inputs)
+    cap = _capture(model, example_inputs, opts.cache)
     capture_s = time.perf_counter() - t0
     compiled = compile_graph(cap.graph, opts, name=type(model).__name__)
     compiled.report.timings_s = {"capture": capture_s, **compiled.report.timings_s}
@@ -89,6 +92,17 @@ def compile_with(
         assert compiled.program is not None
         _verify(compiled, model, example_inputs, compiled.program, opts, compiled.report)
     return compiled
+
+
+def _capture(model: torch.nn.Module, inputs: tuple[Tensor, ...], use_cache: bool) -> CaptureResult:
+    if not use_cache:
+        return capture(model, inputs)
+    key = capture_cache.capture_key(model, inputs)
+    cap = capture_cache.load(key)
+    if cap is None:
+        cap = capture(model, inputs)
+        capture_cache.store(key, cap)
+    return cap
 
 
 def compile_graph(

@@ -68,10 +68,11 @@ class CompileReport:
         return "\n".join(lines)
 
     def kernel_table(self) -> str:
-        rows = [f"{'#':>3} {'template':<10} {'exec':<8} {'pred us':>8}  primitives"]
+        rows = [f"{'#':>3} {'template':<10} {'exec':<8} {'pred us':>8} {'meas us':>8}  primitives"]
         for k in self.kernels:
+            meas = f"{k.measured_us:>8.2f}" if k.measured_us is not None else f"{'-':>8}"
             rows.append(
-                f"{k.index:>3} {k.template:<10} {k.executor:<8} {k.predicted_us:>8.2f}  "
+                f"{k.index:>3} {k.template:<10} {k.executor:<8} {k.predicted_us:>8.2f} {meas}  "
                 + " ".join(k.primitives)
                 + (f"  ({k.note})" if k.note else "")
             )

@@ -236,8 +236,12 @@ class _Gen:
 
         a = b3(self.operand(a_val, self.g.meta(a_val).shape))
         b_op, b_packed = None, None
-        if self.g.is_constant(b_val) and self.prog.access(b_val).root == b_val:
-            w = self.g.constants[b_val].float()
+        b_access = self.prog.access(b_val)
+        if self.g.is_constant(b_access.root):
+            # A constant (or a view of one, e.g. a tied weight's transpose): pack the
+            # viewed data once at compile time.
+            root = self.g.constants[b_access.root]
+            w = root.as_strided(b_access.shape, b_access.strides, b_access.offset).float()
             ws = w if batched else w.unsqueeze(0)
             packed = torch.cat([pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])])
             b_packed = f"((const float*)ops[{self.local_ref(f'(char*)PP[{len(self.params)}]')}])"
@@ -336,7 +340,12 @@ class _Gen:
         return {v: val.meta.dtype for v, val in self.g.values.items()}
 
 
-def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
+def generate(
+    prog: Program, nr: int, threads: int | None = None, profile: bool = False
+) -> CppProgram:
+    """C++ for ``prog``. With ``profile``, every kernel call is timed into a counter
+    array the program exports as ``kiln_profile()`` (µs per kernel, summed over calls;
+    the last slot holds the final output copies)."""
     threads = threads or torch.get_num_threads()
     gen = _Gen(prog, nr, threads)
     g = prog.graph
@@ -345,23 +354,11 @@ def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
     fallbacks: list[tuple[int, str]] = []
     native: list[int] = []
     for idx, k in enumerate(prog.kernels):
-        if is_extern(g, k):
-            for out in k.outputs:
-                ext = conv_extern(g, k, prog, out) if _is_conv(g, k) else None
-                calls += _extern_call(gen, ext or reference_extern(g, k, prog, out), out)
-            continue
-        gen.local = []
-        try:
-            body = gen.kernel(k)
-        except (Unsupported, ValueError) as e:
-            gen.local = None
-            fallbacks.append((idx, str(e)))
-            for out in k.outputs:
-                calls += _extern_call(gen, reference_extern(g, k, prog, out), out)
-            continue
-        native.append(idx)
-        calls += gen.function(body, gen.local)
-        gen.local = None
+        start = len(calls)
+        _generate_kernel(gen, idx, k, calls, fallbacks, native)
+        if profile:
+            calls[start:] = _timed(calls[start:], idx)
+    start = len(calls)
     for j, v in prog.final_copies:
         shape = g.meta(v).shape
         gen.local = []
@@ -371,6 +368,9 @@ def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
         dst = Operand(f"(({ctype}*)ops[{slot}])", g.meta(v).dtype, 0, contiguous_strides(shape))
         calls += gen.function(emit_copy(src, dst, shape, threads), gen.local)
         gen.local = None
+    if profile:
+        calls[start:] = _timed(calls[start:], len(prog.kernels))
+        bodies.append(PROFILE_PRELUDE.format(n=len(prog.kernels) + 1))
     for text, name in gen.functions.items():
         bodies.append(f"static int {name}(char* const* ops, const KilnRuntime* rt) {{")
         bodies.append(text)
@@ -378,6 +378,56 @@ def generate(prog: Program, nr: int, threads: int | None = None) -> CppProgram:
     return CppProgram(
         _assemble(gen, bodies, calls), gen.params, gen.externs, prog.arena_bytes, native, fallbacks
     )
+
+
+PROFILE_PRELUDE = """
+#include <chrono>
+static double kiln_prof[{n}];
+extern "C" double* kiln_profile() {{ return kiln_prof; }}
+static inline double kiln_now() {{
+  return std::chrono::duration<double, std::micro>(
+      std::chrono::steady_clock::now().time_since_epoch()).count();
+}}
+"""
+
+
+def _timed(lines: list[str], slot: int) -> list[str]:
+    if not lines:
+        return lines
+    return [
+        "  { const double t0_ = kiln_now();",
+        *lines,
+        f"  kiln_prof[{slot}] += kiln_now() - t0_; }}",
+    ]
+
+
+def _generate_kernel(
+    gen: _Gen,
+    idx: int,
+    k: Kernel,
+    calls: list[str],
+    fallbacks: list[tuple[int, str]],
+    native: list[int],
+) -> None:
+    """Append the call(s) running kernel ``idx``: a generated function or extern(s)."""
+    g, prog = gen.g, gen.prog
+    if is_extern(g, k):
+        for out in k.outputs:
+            ext = conv_extern(g, k, prog, out) if _is_conv(g, k) else None
+            calls += _extern_call(gen, ext or reference_extern(g, k, prog, out), out)
+        return
+    gen.local = []
+    try:
+        body = gen.kernel(k)
+    except (Unsupported, ValueError) as e:
+        gen.local = None
+        fallbacks.append((idx, str(e)))
+        for out in k.outputs:
+            calls += _extern_call(gen, reference_extern(g, k, prog, out), out)
+        return
+    native.append(idx)
+    calls += gen.function(body, gen.local)
+    gen.local = None
 
 
 def _prod(shape: tuple[int, ...]) -> int:

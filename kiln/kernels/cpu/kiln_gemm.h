@@ -127,8 +127,11 @@ inline void gemm_panel(const float* A, int64_t lda, const float* Bp, int64_t K, 
   }
 }
 
-// Below this many flops a parallel chunk costs more in thread wake-up than it saves.
+// Below this much work a parallel chunk costs more in thread wake-up than it saves.
+// Work is counted in flop-equivalents: with few rows a GEMM is bound by streaming B
+// from memory, and one byte costs about as long as kFlopsPerByte flops at peak.
 constexpr int64_t kMinChunkFlops = int64_t{1} << 19;
+constexpr int64_t kFlopsPerByte = 6;
 // Row blocks of at most this many rows are parallel units for large M (panel reuse per
 // unit stays high, A block stays in L2).
 constexpr int64_t kRowsPerUnit = 8 * MR;
@@ -143,8 +146,11 @@ inline void gemm(const KilnRuntime* rt, const float* A, int64_t lda, int64_t M, 
   const int64_t panels = num_panels(N);
   const int64_t mb = M < kRowsPerUnit ? M : kRowsPerUnit;
   const int64_t row_blocks = (M + mb - 1) / mb;
-  const int64_t unit_flops = 2 * mb * (K > 0 ? K : 1) * NR;
-  const int64_t grain = (kMinChunkFlops + unit_flops - 1) / unit_flops;
+  const int64_t kk = K > 0 ? K : 1;
+  const int64_t unit_flops = 2 * mb * kk * NR;
+  const int64_t unit_bytes = int64_t{sizeof(float)} * kk * NR;  // one B panel
+  const int64_t unit_work = std::max(unit_flops, unit_bytes * kFlopsPerByte);
+  const int64_t grain = (kMinChunkFlops + unit_work - 1) / unit_work;
   kiln::parallel(rt, panels * row_blocks, grain, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t p = u / row_blocks, rb = u % row_blocks;

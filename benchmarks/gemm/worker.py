@@ -1,0 +1,163 @@
+"""The GEMM worker: one contender, every case, driven over stdin/stdout.
+
+``python -m benchmarks.gemm.worker --contender C --data D --workdir W --cases a,b``
+imports only C's runtime, prepares every case (each timed: compile / pack /
+session time), warms each up (which also sizes a repetition), replies
+``{"ready": true, "cases": {case: facts or {"error": ...}}}`` and then answers
+one JSON line per command line:
+
+* ``time CASE N`` -- a short untimed warm-up of CASE (its data was evicted by the
+  other cases), then N repetitions; reply ``{"times_s": [per-call seconds, ...]}``
+* ``save``        -- write each case's output to ``W/out/<case>/<contender>.npy``
+* ``finish``      -- reply ``{"ok": true}`` and exit (end of input exits too)
+
+``--export`` instead writes each case's ONNX file (torch) and exits after one reply.
+
+The benchmark suite's worker (``benchmarks.worker``) serves one model per process
+and imports torch and the model registry; this one holds all cases of one
+runtime in one process (fewer process starts) and stays free of torch unless its
+contender needs it, so the ONNX Runtime and numpy workers load no second thread pool.
+Anything a library prints goes to stderr; replies use a private copy of stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks.gemm.contenders import PREPARE, Prepared, export_onnx
+from benchmarks.gemm.shapes import case_from_name
+
+
+def _reply_channel() -> IO[str]:
+    """A private duplicate of stdout for replies; fd 1 then points at stderr."""
+    fd = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    return os.fdopen(fd, "w", buffering=1)
+
+
+def _send(chan: IO[str], msg: dict[str, Any]) -> None:
+    chan.write(json.dumps(msg, default=str) + "\n")
+    chan.flush()
+
+
+def size_repetition(p: Prepared, warmup_s: float, rep_s: float) -> tuple[int, float, int]:
+    """Warm up for ``warmup_s`` (at least 5 calls); return ``(calls per repetition,
+    fastest call in seconds, warm-up calls)``. A repetition lasts about ``rep_s``."""
+    best, calls = math.inf, 0
+    t_end = time.perf_counter() + warmup_s
+    while calls < 5 or time.perf_counter() < t_end:
+        t0 = time.perf_counter_ns()
+        p.run()
+        best = min(best, (time.perf_counter_ns() - t0) * 1e-9)
+        calls += 1
+    return max(1, min(100_000, math.ceil(rep_s / max(best, 1e-7)))), best, calls
+
+
+def time_case(p: Prepared, reps: int, inner: int) -> list[float]:
+    """``inner`` untimed calls (warm caches, wake the thread pool), then ``reps``
+    repetitions of ``inner`` back-to-back calls; per-call seconds of each."""
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(inner):
+            p.run()
+        out = []
+        for _ in range(reps):
+            t0 = time.perf_counter_ns()
+            for _ in range(inner):
+                p.run()
+            out.append((time.perf_counter_ns() - t0) * 1e-9 / inner)
+        return out
+    finally:
+        gc.enable()
+
+
+def _prepare_all(
+    args: argparse.Namespace, data: Path, work: Path
+) -> tuple[dict[str, Prepared], dict[str, int], dict[str, Any]]:
+    """Prepare and warm every case; a failing case is recorded, the others go on."""
+    prepare = PREPARE[args.contender]
+    ready: dict[str, Prepared] = {}
+    inner: dict[str, int] = {}
+    facts: dict[str, Any] = {}
+    for name in args.cases.split(","):
+        try:
+            t0 = time.perf_counter()
+            p = prepare(case_from_name(name), data, work)
+            prep_s = time.perf_counter() - t0
+            n, best, calls = size_repetition(p, args.warmup_s, args.rep_ms * 1e-3)
+        except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error
+            traceback.print_exc()
+            facts[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
+            continue
+        ready[name], inner[name] = p, n
+        facts[name] = {"prepare_s": prep_s, "inner": n, "est_us": best * 1e6,
+                       "warmup_calls": calls, **p.facts}  # fmt: skip
+    return ready, inner, facts
+
+
+def serve(args: argparse.Namespace, chan: IO[str]) -> int:
+    """Prepare, then answer commands until ``finish`` or end of input."""
+    data, work = Path(args.data), Path(args.workdir)
+    if args.export:
+        cases = [case_from_name(n) for n in args.cases.split(",")]
+        _send(chan, {"ready": True, "cases": export_onnx(cases, data, work)})
+        return 0
+    ready, inner, facts = _prepare_all(args, data, work)
+    _send(chan, {"ready": True, "cases": facts})
+    for line in sys.stdin:
+        cmd = line.split()
+        try:
+            if len(cmd) == 3 and cmd[0] == "time":
+                _send(chan, {"times_s": time_case(ready[cmd[1]], int(cmd[2]), inner[cmd[1]])})
+            elif cmd == ["save"]:
+                import numpy as np
+
+                for name, p in ready.items():
+                    (work / "out" / name).mkdir(parents=True, exist_ok=True)
+                    np.save(work / "out" / name / f"{args.contender}.npy", p.output())
+                _send(chan, {"ok": True})
+            elif cmd == ["finish"]:
+                _send(chan, {"ok": True})
+                return 0
+            else:
+                _send(chan, {"error": f"unknown command {line.strip()!r}"})
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--contender", default="", choices=["", *PREPARE])
+    p.add_argument("--export", action="store_true", help="write the ONNX files and exit")
+    p.add_argument("--data", required=True, help="folder with <shape>/{x,w,b}.npy")
+    p.add_argument("--workdir", required=True)
+    p.add_argument("--cases", required=True, help="comma list of case names (8x256x688-gelu)")
+    p.add_argument("--warmup-s", type=float, default=0.2)
+    p.add_argument("--rep-ms", type=float, default=5.0, help="target length of one repetition")
+    args = p.parse_args(argv)
+    if not args.export and not args.contender:
+        p.error("--contender is required unless --export")
+    chan = _reply_channel()
+    try:
+        return serve(args, chan)
+    except Exception as e:  # noqa: BLE001 - report instead of dying silently
+        traceback.print_exc()
+        _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
