@@ -33,6 +33,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup-s", type=float, default=0.2, help="warm-up per case and contender")
     p.add_argument("--quiet-wait-s", type=float, default=1.0,
                    help="before each timing, wait up to this long for co-tenants to go quiet")  # fmt: skip
+    p.add_argument("--retries", type=int, default=1,
+                   help="repeat a timing disturbed by co-tenants up to this many times")  # fmt: skip
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     p.add_argument("--from-result", default=None, help="render this result JSON, run nothing")
     return p.parse_args(argv)
@@ -64,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_gemm(
             shapes, args.contenders.split(","), args.epilogues.split(","), rounds=args.rounds,
             reps=args.reps, out_dir=args.out, warmup_s=args.warmup_s, rep_ms=args.rep_ms,
-            quiet_wait_s=args.quiet_wait_s, on_event=_progress,
+            quiet_wait_s=args.quiet_wait_s, retries=args.retries, on_event=_progress,
         )  # fmt: skip
         print(f"wrote {result['path']}", file=sys.stderr)
     print(render_table(result))

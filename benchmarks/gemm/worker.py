@@ -2,12 +2,13 @@
 
 ``python -m benchmarks.gemm.worker --contender C --data D --workdir W --cases a,b``
 imports only C's runtime, prepares every case (each timed: compile / pack /
-session time), warms each up (which also sizes a repetition), replies
+session time), warms each up, replies
 ``{"ready": true, "cases": {case: facts or {"error": ...}}}`` and then answers
 one JSON line per command line:
 
 * ``time CASE N`` -- a short untimed warm-up of CASE (its data was evicted by the
-  other cases), then N repetitions; reply ``{"times_s": [per-call seconds, ...]}``
+  other cases) that sizes a repetition, then N repetitions; reply
+  ``{"times_s": [per-call seconds, ...], "inner": calls per repetition}``
 * ``save``        -- write each case's output to ``W/out/<case>/<contender>.npy``
 * ``finish``      -- reply ``{"ok": true}`` and exit (end of input exits too)
 
@@ -50,60 +51,62 @@ def _send(chan: IO[str], msg: dict[str, Any]) -> None:
     chan.flush()
 
 
-def size_repetition(p: Prepared, warmup_s: float, rep_s: float) -> tuple[int, float, int]:
-    """Warm up for ``warmup_s`` (at least 5 calls); return ``(calls per repetition,
-    fastest call in seconds, warm-up calls)``. A repetition lasts about ``rep_s``."""
+def warm(p: Prepared, seconds: float, min_calls: int) -> tuple[float, int]:
+    """Call ``run`` for at least ``seconds`` and ``min_calls`` calls; return
+    ``(fastest call in seconds, calls made)``."""
     best, calls = math.inf, 0
-    t_end = time.perf_counter() + warmup_s
-    while calls < 5 or time.perf_counter() < t_end:
+    t_end = time.perf_counter() + seconds
+    while calls < min_calls or time.perf_counter() < t_end:
         t0 = time.perf_counter_ns()
         p.run()
         best = min(best, (time.perf_counter_ns() - t0) * 1e-9)
         calls += 1
-    return max(1, min(100_000, math.ceil(rep_s / max(best, 1e-7)))), best, calls
+    return best, calls
 
 
-def time_case(p: Prepared, reps: int, inner: int) -> list[float]:
-    """``inner`` untimed calls (warm caches, wake the thread pool), then ``reps``
-    repetitions of ``inner`` back-to-back calls; per-call seconds of each."""
+def time_case(p: Prepared, reps: int, rep_s: float) -> tuple[list[float], int]:
+    """Warm up for one repetition's length (caches were evicted by the other cases,
+    the thread pool may sleep) and size a repetition from the fastest warm-up call
+    (sized here, not once at start-up, so a start-up disturbed by co-tenants cannot
+    leave single-call repetitions); then ``reps`` repetitions of ``inner``
+    back-to-back calls. Returns ``(per-call seconds of each repetition, inner)``."""
     gc.collect()
     gc.disable()
     try:
-        for _ in range(inner):
-            p.run()
+        best, _ = warm(p, rep_s, 3)
+        inner = max(1, min(100_000, math.ceil(rep_s / max(best, 1e-7))))
         out = []
         for _ in range(reps):
             t0 = time.perf_counter_ns()
             for _ in range(inner):
                 p.run()
             out.append((time.perf_counter_ns() - t0) * 1e-9 / inner)
-        return out
+        return out, inner
     finally:
         gc.enable()
 
 
 def _prepare_all(
     args: argparse.Namespace, data: Path, work: Path
-) -> tuple[dict[str, Prepared], dict[str, int], dict[str, Any]]:
+) -> tuple[dict[str, Prepared], dict[str, Any]]:
     """Prepare and warm every case; a failing case is recorded, the others go on."""
     prepare = PREPARE[args.contender]
     ready: dict[str, Prepared] = {}
-    inner: dict[str, int] = {}
     facts: dict[str, Any] = {}
     for name in args.cases.split(","):
         try:
             t0 = time.perf_counter()
             p = prepare(case_from_name(name), data, work)
             prep_s = time.perf_counter() - t0
-            n, best, calls = size_repetition(p, args.warmup_s, args.rep_ms * 1e-3)
+            best, calls = warm(p, args.warmup_s, 5)
         except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error
             traceback.print_exc()
             facts[name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             continue
-        ready[name], inner[name] = p, n
-        facts[name] = {"prepare_s": prep_s, "inner": n, "est_us": best * 1e6,
+        ready[name] = p
+        facts[name] = {"prepare_s": prep_s, "warmup_best_us": best * 1e6,
                        "warmup_calls": calls, **p.facts}  # fmt: skip
-    return ready, inner, facts
+    return ready, facts
 
 
 def serve(args: argparse.Namespace, chan: IO[str]) -> int:
@@ -113,13 +116,14 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
         cases = [case_from_name(n) for n in args.cases.split(",")]
         _send(chan, {"ready": True, "cases": export_onnx(cases, data, work)})
         return 0
-    ready, inner, facts = _prepare_all(args, data, work)
+    ready, facts = _prepare_all(args, data, work)
     _send(chan, {"ready": True, "cases": facts})
     for line in sys.stdin:
         cmd = line.split()
         try:
             if len(cmd) == 3 and cmd[0] == "time":
-                _send(chan, {"times_s": time_case(ready[cmd[1]], int(cmd[2]), inner[cmd[1]])})
+                times, inner = time_case(ready[cmd[1]], int(cmd[2]), args.rep_ms * 1e-3)
+                _send(chan, {"times_s": times, "inner": inner})
             elif cmd == ["save"]:
                 import numpy as np
 

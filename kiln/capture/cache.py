@@ -5,7 +5,7 @@ classes of every submodule (so helper functions in those files count too), the
 module tree's structure, the bytes of every parameter and buffer, the example
 inputs' shapes and dtypes, and the torch and kiln versions. Code the forward pass
 calls from *other* files is not covered: pass ``cache=False`` to ``kiln.compile``
-when such code changes between runs.
+when such code changes between runs. kiln's own capture code is part of the key.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def cache_dir() -> Path:
 
 def capture_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> str:
     h = hashlib.sha256()
-    h.update(f"{torch.__version__}|kiln-capture-1".encode())
+    h.update(f"{torch.__version__}|{_kiln_digest()}".encode())
     files: set[str] = set()
     for name, m in model.named_modules():
         cls = type(m)
@@ -62,6 +62,21 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]
             if isinstance(t, torch.Tensor)
             else repr(t).encode()
         )
+    return h.hexdigest()
+
+
+def _kiln_digest() -> str:
+    """Hash of kiln's own capture code and IR: a change to a lowering invalidates."""
+    here = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for f in sorted(
+        [
+            *here.glob("*.py"),
+            here.parent / "fusion" / "ir.py",
+            here.parent / "runtime" / "reference.py",
+        ]
+    ):
+        h.update(f.read_bytes())
     return h.hexdigest()
 
 

@@ -257,3 +257,20 @@ def _numel(shape: tuple[int, ...]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+@register(aten.index.Tensor)
+def _index(b: Builder, node: fx.Node) -> str:
+    """x[:, ..., idx, ...] with a single 1-D int64 index tensor: an index_select.
+    (torch's decompositions turn reflection/replication padding and nearest
+    upsampling into exactly this form, with constant indices.)"""
+    x_arg, indices = pos(node)[:2]
+    x = b.tensor(x_arg)
+    used = [(d, i) for d, i in enumerate(indices) if i is not None]
+    if len(used) != 1:
+        raise Unsupported("advanced indexing with several index tensors")
+    dim, idx_arg = used[0]
+    idx = b.tensor(idx_arg)
+    if b.dtype(idx) != torch.int64 or len(b.shape(idx)) != 1:
+        raise Unsupported("index tensor is not 1-D int64")
+    return b.emit("index_select", [x, idx], dim=dim)

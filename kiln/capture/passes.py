@@ -218,12 +218,16 @@ def enforce_native_dtypes(graph: Graph) -> Graph:
 
 def optimize(graph: Graph) -> Graph:
     """The standard clean-up pipeline run by ``capture``."""
+    from kiln.capture.fold import drop_unit_reduction_dims, fold_conv_affine
+
     graph = eliminate_dead_code(graph)
     graph = canonicalize_views(graph)
     graph = eliminate_common_subexpressions(graph)
     graph = fold_constants(graph)
     graph = canonicalize_views(graph)
     graph = eliminate_common_subexpressions(graph)
+    graph = fold_conv_affine(graph)
+    graph = drop_unit_reduction_dims(graph)
     graph = enforce_native_dtypes(graph)
     graph = eliminate_dead_code(graph)
     graph.validate()

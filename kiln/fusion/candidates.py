@@ -119,8 +119,8 @@ class TemplateRules:
             return False
         if mm_shape is not None:
             return not red_keys and shapes <= {mm_shape}
-        if hull & self.heavy:  # conv: bias add and relu at most
-            return not red_keys and conv_eps <= 2
+        if hull & self.heavy:  # conv: bias add, then relu or a clamp (hardtanh) at most
+            return not red_keys and conv_eps <= 3
         if red_keys:
             s_in, dims = next(iter(red_keys))  # type: ignore[misc]
             return shapes <= {s_in, _keepdim(s_in, dims)}
@@ -173,19 +173,28 @@ class TemplateRules:
         return reach == mask and all(self.shape[i] == self.shape[g] for i in members(mask))
 
     def _conv_ok(self, mask: int, c: int, eps: list[int]) -> bool:
-        """conv [-> add(per-channel bias constant)] [-> relu], storing only the last value."""
+        """conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)]
+        (the oneDNN post-ops: bias, relu, hardtanh), storing only the last value."""
         ix, nodes = self.ix, self.ix.nodes
-        if sorted(nodes[i].op for i in eps) not in (["add"], ["relu"], ["add", "relu"]):
+        chain = [c] + sorted(eps)  # node indices are topological
+        ops = [nodes[i].op for i in chain[1:]]
+        if ops and ops[0] == "add":
+            ops = ops[1:]
+        if ops not in ([], ["relu"], ["maximum", "minimum"]):
             return False
-        chain = [c] + sorted(eps, key=lambda i: nodes[i].op == "relu")
         for prev, cur in zip(chain, chain[1:]):
             node, prev_out = nodes[cur], nodes[prev].output
             if self.shape[cur] != self.shape[c] or prev_out not in node.inputs:
                 return False
-            if node.op == "add":
-                bias = [v for v in node.inputs if v != prev_out]
-                if len(bias) != 1 or not self._per_channel_param(bias[0], self.shape[c]):
-                    return False
+            other = [v for v in node.inputs if v != prev_out]
+            if node.op == "add" and (
+                len(other) != 1 or not self._per_channel_param(other[0], self.shape[c])
+            ):
+                return False
+            if node.op in ("maximum", "minimum") and (
+                len(other) != 1 or self.ix.graph.values[other[0]].kind != ValueKind.CONST
+            ):
+                return False
         for i in chain[:-1]:  # oneDNN post-ops do not store intermediates
             out = nodes[i].output
             if out in ix.outputs or any(not mask >> j & 1 for j in ix.consumers[out]):

@@ -30,6 +30,7 @@ def test_run_gemm_one_tiny_shape(tmp_path: Path) -> None:
     for c in ("kiln", "onednn", "mkl"):
         assert e["us"][c] > 0, e["facts"][c]
         assert e["round_us"][c] == [e["us"][c]] and len(e["round_cotenant_busy"][c]) == 1
+        assert e["round_inner"][c][0] >= 1 and 1 <= e["round_attempts"][c][0] <= 2
     libs = {c: e["us"][c] for c in ("onednn", "mkl")}
     assert e["fastest_library"] == min(libs, key=lambda c: libs[c])
     assert e["fastest_library_us"] == min(libs.values())

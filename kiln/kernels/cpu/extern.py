@@ -94,18 +94,22 @@ def conv_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern | None
     bias = g.constants.get(conv.inputs[2]) if len(conv.inputs) > 2 else None
     if len(conv.inputs) > 2 and bias is None:
         return None
-    attr = "none"
+    attr, scalars = "none", []
+    prev = conv.output
     for n in nodes[1:]:
-        other = [i for i in n.inputs if i != conv.output]
-        if n.op == "add" and bias is None and len(other) == 1 and g.is_constant(other[0]):
-            b = g.constants[other[0]]
-            if b.numel() != w.shape[0]:
-                return None
-            bias = b.reshape(-1).contiguous()
+        other = [i for i in n.inputs if i != prev]
+        const = g.constants.get(other[0]) if len(other) == 1 else None
+        if n.op == "add" and attr == "none" and const is not None and const.numel() == w.shape[0]:
+            bias = const.reshape(-1) + (bias if bias is not None else 0)
         elif n.op == "relu" and attr == "none":
             attr = "relu"
+        elif n.op == "maximum" and attr == "none" and const is not None and const.dim() == 0:
+            attr, scalars = "hardtanh", [float(const), float("inf")]
+        elif n.op == "minimum" and attr == "hardtanh" and const is not None and const.dim() == 0:
+            scalars[1] = float(const)
         else:
             return None
+        prev = n.output
     a = conv.attrs
     x_access = prog.access(conv.inputs[0])
     roots = [x_access.root]
@@ -126,6 +130,8 @@ def conv_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern | None
 
     def run(flat: Tensor) -> Tensor:
         x = flat.as_strided(x_access.shape, x_access.strides, x_access.offset).contiguous()
-        return conv_op(x, wt, bias, padding, stride, dilation, groups, attr, [], "")
+        return conv_op(x, wt, bias, padding, stride, dilation, groups, attr, scalars, "")
 
+    if attr == "hardtanh" and scalars[1] == float("inf"):
+        return None  # a lone maximum is not a oneDNN post-op
     return _make(g, roots, run, value, "conv" + ("+bias" if bias is not None else "") + f"+{attr}")
