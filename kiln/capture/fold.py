@@ -96,3 +96,59 @@ def drop_unit_reduction_dims(graph: Graph) -> Graph:
             if dims and dims != tuple(n.attrs["dims"]):
                 n.attrs = {**n.attrs, "dims": dims}
     return graph
+
+
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _same_elements(w: tuple[int, ...], s: tuple[int, ...], u: tuple[int, ...]) -> bool:
+    """Does operand shape ``w`` broadcast to ``u`` exactly as it broadcast to ``s``
+    and then reshaped to ``u``? (Checked on an index tensor: cheap, and exact.)"""
+    try:
+        idx = torch.arange(max(1, _numel(w)), dtype=torch.int32).reshape(w)
+        return torch.equal(idx.expand(s).reshape(u), idx.expand(u))
+    except RuntimeError:
+        return False
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def sink_unit_views(graph: Graph) -> Graph:
+    """pointwise(view(u), ...) where the view only adds or drops size-1 dims becomes
+    view(pointwise(u, ...)): the op runs in u's shape, so it can join u's kernel (a
+    kernel never reads a view of a value it computes)."""
+    from kiln.fusion.ir import OpClass, Value, ValueKind
+
+    i = 0
+    while i < len(graph.nodes):
+        n = graph.nodes[i]
+        i += 1
+        if n.cls != OpClass.POINTWISE:
+            continue
+        s = graph.meta(n.output).shape
+        for pos_, v in enumerate(n.inputs):
+            p = graph.producer(v)
+            if p is None or p.op != "view" or graph.is_constant(p.inputs[0]):
+                continue
+            u = graph.meta(p.inputs[0]).shape
+            if u == s or _squeeze(u) != _squeeze(s):
+                continue
+            others = [w for j, w in enumerate(n.inputs) if j != pos_]
+            if not all(_same_elements(graph.meta(w).shape, s, u) for w in others):
+                continue
+            # n' = op(u, others...) in shape u, then n becomes view(n', s).
+            name = f"{n.name}_sunk"
+            inputs = tuple(p.inputs[0] if j == pos_ else w for j, w in enumerate(n.inputs))
+            meta = type(graph.meta(n.output))(u, graph.meta(n.output).dtype)
+            graph.values[name] = Value(name, meta, ValueKind.INTERMEDIATE, producer=name)
+            graph.nodes.insert(i - 1, Node(name, n.op, inputs, name, dict(n.attrs)))
+            n.op, n.inputs, n.attrs = "view", (name,), {"shape": s}
+            i += 1
+            break
+    return graph

@@ -218,7 +218,7 @@ def enforce_native_dtypes(graph: Graph) -> Graph:
 
 def optimize(graph: Graph) -> Graph:
     """The standard clean-up pipeline run by ``capture``."""
-    from kiln.capture.fold import drop_unit_reduction_dims, fold_conv_affine
+    from kiln.capture.fold import drop_unit_reduction_dims, fold_conv_affine, sink_unit_views
 
     graph = eliminate_dead_code(graph)
     graph = canonicalize_views(graph)
@@ -228,6 +228,7 @@ def optimize(graph: Graph) -> Graph:
     graph = eliminate_common_subexpressions(graph)
     graph = fold_conv_affine(graph)
     graph = drop_unit_reduction_dims(graph)
+    graph = canonicalize_views(sink_unit_views(graph))
     graph = enforce_native_dtypes(graph)
     graph = eliminate_dead_code(graph)
     graph.validate()
