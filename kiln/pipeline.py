@@ -23,6 +23,7 @@ from kiln.kernels.cpu.codegen import CppProgram, generate
 from kiln.kernels.cpu.pack import nr as panel_width
 from kiln.runtime.compiled import CompiledModule
 from kiln.runtime.executors import NativeExecutor, ReferenceExecutor
+from kiln.runtime.measure import measurer
 from kiln.runtime.report import CompileReport, Fallback, KernelReport, SolverReport
 from kiln.runtime.verify import compare_all
 
@@ -116,7 +117,7 @@ def compile_graph(
     opts = opts or CompileOptions()
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    costs = CostModel(load_profile())
+    costs = CostModel(load_profile(), measure=measurer(graph) if opts.measure else None)
     solver_report = None
     if kernels is None:
         orch, solver_report = _orchestrate(graph, costs, opts)
@@ -140,7 +141,7 @@ def _orchestrate(
     graph: Graph, costs: CostModel, opts: CompileOptions
 ) -> tuple[Orchestration, SolverReport]:
     cands = enumerate_candidates(graph, max_nodes=opts.max_kernel_nodes)
-    cost_of = {c: costs.estimate(c, graph) for c in cands}
+    cost_of = costs.costs(cands, graph)
     greedy = greedy_fusion(graph, cost_of)
     if opts.solver == "greedy":
         orch = greedy
@@ -162,9 +163,7 @@ def _orchestrate(
 
 def _kernel(graph: Graph, c: Candidate, costs: CostModel) -> Kernel:
     order = [n.name for n in graph.nodes if n.name in c.nodes]
-    return Kernel(
-        c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.estimate(c, graph)
-    )
+    return Kernel(c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.cost(c, graph))
 
 
 def _executor(

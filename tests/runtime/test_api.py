@@ -120,3 +120,23 @@ def test_torch_compile_backend(cache: Path) -> None:
     compiled = torch.compile(model, backend="kiln")
     with torch.no_grad():
         assert_close_to_reference(compiled(x), model(x), rtol_to_max=1e-5)
+
+
+def test_measured_costs_are_timed_and_cached(cache: Path) -> None:
+    from kiln.fusion.ir import Graph, TensorMeta
+    from kiln.pipeline import CompileOptions, compile_graph
+
+    g = Graph()
+    x = g.add_input("x", TensorMeta((16, 64), torch.float32))
+    y = g.add_node(
+        "neg",
+        (g.add_node("exp", (x,), TensorMeta((16, 64), torch.float32)),),
+        TensorMeta((16, 64), torch.float32),
+    )
+    g.outputs = [y]
+    compiled = compile_graph(g, CompileOptions(measure=True))
+    table = (cache / "measured_costs.json").read_text()
+    assert table.count(":") >= 3  # exp, neg and the fused exp+neg were each timed
+    assert compiled.report.solver is not None and compiled.report.solver.objective_us > 0
+    x_t = torch.randn(16, 64)
+    assert_close_to_reference(compiled.run_flat([x_t])[0], -x_t.exp(), rtol_to_max=1e-6)

@@ -19,6 +19,7 @@
 // the FMA latency. A finished row goes to the caller's epilogue as two vectors, which adds
 // bias / activation / residual and stores (handling the N tail).
 #pragma once
+#include <algorithm>
 #include <cstdint>
 
 #include "kiln_rt.h"
