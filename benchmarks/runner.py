@@ -40,11 +40,13 @@ Event = Callable[[str, dict[str, Any]], None]
 class Worker:
     """A running worker process with a reader thread feeding its reply lines to a queue."""
 
-    def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self, args: list[str], env: dict[str, str], log: Path, module: str = "benchmarks.worker"
+    ) -> None:
         self.log = log
         self._err = open(log, "w")  # noqa: SIM115 - closed in close()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.worker", *args],
+            [sys.executable, "-m", module, *args],
             cwd=REPO, env=env, text=True, bufsize=1,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
         )  # fmt: skip

@@ -20,12 +20,8 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import queue
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,15 +43,7 @@ class GemmWorker(Worker):
     ``benchmarks.gemm.worker`` instead of the suite's per-model worker."""
 
     def __init__(self, args: list[str], env: dict[str, str], log: Path) -> None:
-        self.log = log
-        self._err = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.gemm.worker", *args],
-            cwd=REPO, env=env, text=True, bufsize=1,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err,
-        )  # fmt: skip
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        super().__init__(args, env, log, module="benchmarks.gemm.worker")
 
 
 def write_data(cases: list[Case], data: Path, seed: int = 0) -> None:

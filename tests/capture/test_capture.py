@@ -130,18 +130,18 @@ def test_log_softmax_primitives() -> None:
     assert ops(result.graph) == ["max", "sub", "exp", "sum", "log", "sub"]
 
 
-def test_batchnorm_folds_into_scale_shift() -> None:
-    """Eval batch norm becomes x * scale + shift with constant (C, 1, 1) scale
-    and shift: no statistics math is left at run time."""
+def test_batchnorm_folds_into_the_conv_weights() -> None:
+    """Eval batch norm becomes a per-channel scale and shift, which capture then
+    folds into the preceding convolution's weight and bias: only the convs and
+    their activations are left."""
     _, _, result = captured("conv_bn_relu")
     g = result.graph
-    assert ops(g) == ["conv", "mul", "add", "relu", "conv", "mul", "add", "maximum", "minimum"]
+    assert ops(g) == ["conv", "relu", "conv", "maximum", "minimum"]
     convs = [n for n in g.nodes if n.op == "conv"]
     assert [c.attrs["groups"] for c in convs] == [1, 8]  # depthwise second
-    for n in g.nodes:
-        if n.op in ("mul", "add"):
-            assert g.values[n.inputs[1]].kind == ValueKind.PARAM
-            assert g.meta(n.inputs[1]).shape == (8, 1, 1)
+    for c in convs:
+        assert all(g.values[v].kind == ValueKind.PARAM for v in c.inputs[1:])
+        assert g.meta(c.inputs[2]).shape == (8,)
 
 
 def test_conv1d_attrs() -> None:
@@ -165,12 +165,13 @@ def test_lstm_is_primitive() -> None:
         assert {"sigmoid", "tanh", "mm"} <= set(ops(g))
 
 
-def test_embedding_is_opaque_and_mean_is_sum_times_scale() -> None:
+def test_embedding_is_a_row_gather_and_mean_is_sum_times_scale() -> None:
     _, _, result = captured("embed_mean")
     g = result.graph
-    (fb,) = result.fallbacks
-    assert fb.aten_op == "aten.embedding.default"
-    (emb,) = [n for n in g.nodes if n.op == "opaque"]
+    assert not result.fallbacks
+    (gather,) = [n for n in g.nodes if n.op == "index_select"]
+    assert gather.attrs == {"dim": 0} and g.values[gather.inputs[0]].kind == ValueKind.PARAM
+    (emb,) = users(g, gather.output)  # the view back to (B, T, D)
     (s,) = users(g, emb.output)
     assert s.op == "sum" and s.attrs == {"dims": (1,), "keepdim": True}
     (scale,) = users(g, s.output)
