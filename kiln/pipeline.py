@@ -134,7 +134,9 @@ def compile_graph(
     run, cpp = _executor(prog, opts, times, report)
     _fill_kernels(report, prog, cpp)
     report.timings_s = times
-    return CompiledModule(run, graph, prog, report, out_spec=None)
+    compiled = CompiledModule(run, graph, prog, report, out_spec=None)
+    compiled.native_program = cpp
+    return compiled
 
 
 def _orchestrate(
@@ -182,11 +184,7 @@ def _executor(
     so_path = build.compile_program(cpp.source)
     times["build"] = time.perf_counter() - t0
     native = NativeExecutor(prog, cpp, str(so_path), runtime)
-
-    def run(inputs: Sequence[Tensor]) -> list[Tensor]:
-        return native(inputs)
-
-    return run, cpp
+    return native.native.run, cpp  # the extension's run: no Python frame in between
 
 
 def _fill_kernels(report: CompileReport, prog: Program, cpp: CppProgram | None) -> None:

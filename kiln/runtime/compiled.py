@@ -40,6 +40,7 @@ class CompiledModule:
         self._out_spec = out_spec
         self._eager = eager
         self._single = out_spec is None
+        self.native_program: Any = None  # the generated C++ program (CppProgram), if native
 
     def __call__(self, *args: Tensor) -> Any:
         flat = [a if a.is_contiguous() else a.contiguous() for a in args]

@@ -17,7 +17,7 @@ from kiln.fusion.ir import Graph, Node, OpClass
 from kiln.fusion.layout import Access, access, contiguous_strides
 from kiln.fusion.program import Kernel, Program, Slot, is_extern
 from kiln.kernels.cpu.emit import NATIVE_DTYPES, PRELUDE, Operand, cfloat, supports_pointwise
-from kiln.kernels.cpu.extern import Extern, conv_extern, reference_extern
+from kiln.kernels.cpu.extern import Extern, conv_chain_extern, conv_extern, reference_extern
 from kiln.kernels.cpu.gemm import GemmSpec, emit_gemm
 from kiln.kernels.cpu.pack import pack_b
 from kiln.kernels.cpu.pointwise import emit_copy, emit_pointwise
@@ -353,11 +353,21 @@ def generate(
     calls: list[str] = []
     fallbacks: list[tuple[int, str]] = []
     native: list[int] = []
-    for idx, k in enumerate(prog.kernels):
+    consumers = g.consumers()
+    idx = 0
+    while idx < len(prog.kernels):
+        k = prog.kernels[idx]
         start = len(calls)
-        _generate_kernel(gen, idx, k, calls, fallbacks, native)
+        chain = _conv_chain(prog, idx, consumers)
+        ext = conv_chain_extern(g, chain, prog) if len(chain) > 1 else None
+        if ext is not None:
+            calls += _extern_call(gen, ext, chain[-1].outputs[0])
+        else:
+            chain = [k]
+            _generate_kernel(gen, idx, k, calls, fallbacks, native)
         if profile:
             calls[start:] = _timed(calls[start:], idx)
+        idx += len(chain)
     start = len(calls)
     for j, v in prog.final_copies:
         shape = g.meta(v).shape
@@ -428,6 +438,29 @@ def _generate_kernel(
     native.append(idx)
     calls += gen.function(body, gen.local)
     gen.local = None
+
+
+def _conv_chain(prog: Program, first: int, consumers: dict[str, list[Node]]) -> list[Kernel]:
+    """Kernels first, first+1, ... that are conv externs each reading (unviewed) only
+    the previous one's output, which nothing else reads."""
+    g = prog.graph
+    chain: list[Kernel] = []
+    for k in prog.kernels[first:]:
+        if not (is_extern(g, k) and _is_conv(g, k)) or len(k.outputs) != 1:
+            break
+        if chain:
+            prev = chain[-1].outputs[0]
+            conv = next(g.node(n) for n in k.nodes if g.node(n).op == "conv")
+            sole_reader = [n.name for n in consumers[prev]] == [conv.name]
+            if conv.inputs[0] != prev or not sole_reader or prev in g.outputs:
+                break
+        chain.append(k)
+    # NHWC pays for grouped/depthwise convolutions; dense ones run faster in oneDNN's
+    # blocked layout with reordered weights (measured: ResNet-18 slows down in NHWC).
+    grouped = any(
+        g.node(n).op == "conv" and g.node(n).attrs["groups"] > 1 for k in chain for n in k.nodes
+    )
+    return chain if grouped else chain[:1]
 
 
 def _prod(shape: tuple[int, ...]) -> int:

@@ -82,9 +82,51 @@ def reference_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern:
     return _make(g, roots, run, value, "+".join(n.op for n in nodes))
 
 
+ConvFn = Callable[[Tensor], Tensor]
+
+
+def conv_chain_extern(g: Graph, chain: list[Kernel], prog: Program) -> Extern | None:
+    """Consecutive conv kernels, each feeding only the next, as one extern that keeps
+    the activations channels-last (NHWC) in between: oneDNN runs NHWC depthwise
+    convolutions without the reorders it does around NCHW ones (4-5x faster on a
+    depthwise-separable block here, the two conversions at the ends included)."""
+    steps = [conv_step(g, k, prog, k.outputs[0], channels_last=True) for k in chain]
+    if any(s is None for s in steps):
+        return None
+    fns = [s[0] for s in steps if s is not None]
+    x_access = steps[0][1]  # type: ignore[index]
+    nhwc = torch.channels_last
+
+    def run(flat: Tensor) -> Tensor:
+        x = flat.as_strided(x_access.shape, x_access.strides, x_access.offset)
+        y = x.contiguous(memory_format=nhwc)
+        for fn in fns:
+            y = fn(y)
+        return y.contiguous()
+
+    what = " > ".join(s[2] for s in steps if s is not None)
+    return _make(g, [x_access.root], run, chain[-1].outputs[0], what)
+
+
 def conv_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern | None:
-    """A 2-D convolution (+ per-channel bias + ReLU) as one oneDNN call with the weight
-    reordered once at compile time. None when the kernel is not of that form."""
+    """A 2-D convolution (+ per-channel bias + ReLU/ReLU6) as one oneDNN call with the
+    weight reordered once at compile time. None when the kernel is not of that form."""
+    step = conv_step(g, k, prog, value, channels_last=False)
+    if step is None:
+        return None
+    fn, x_access, what = step
+
+    def run(flat: Tensor) -> Tensor:
+        return fn(flat.as_strided(x_access.shape, x_access.strides, x_access.offset).contiguous())
+
+    return _make(g, [x_access.root], run, value, what)
+
+
+def conv_step(
+    g: Graph, k: Kernel, prog: Program, value: str, channels_last: bool
+) -> tuple[ConvFn, Access, str] | None:
+    """The oneDNN call of a conv kernel as ``fn(x) -> y`` (NCHW or NHWC tensors), the
+    access of its input, and a description; None when the kernel is not of that form."""
     order, ext = _reads(g, k, value, prog)
     nodes = [g.node(n) for n in order]
     conv = nodes[0]
@@ -112,7 +154,6 @@ def conv_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern | None
         prev = n.output
     a = conv.attrs
     x_access = prog.access(conv.inputs[0])
-    roots = [x_access.root]
     stride, padding, dilation, groups = (
         list(a["stride"]),
         list(a["padding"]),
@@ -120,18 +161,19 @@ def conv_extern(g: Graph, k: Kernel, prog: Program, value: str) -> Extern | None
         a["groups"],
     )
     conv_op = torch.ops.mkldnn._convolution_pointwise
-    wt = w.contiguous()
-    try:
-        wt = torch.ops.mkldnn._reorder_convolution_weight(
-            wt, padding, stride, dilation, groups, list(x_access.shape)
-        )
-    except RuntimeError:
-        wt = w.contiguous()
-
-    def run(flat: Tensor) -> Tensor:
-        x = flat.as_strided(x_access.shape, x_access.strides, x_access.offset).contiguous()
-        return conv_op(x, wt, bias, padding, stride, dilation, groups, attr, scalars, "")
-
     if attr == "hardtanh" and scalars[1] == float("inf"):
         return None  # a lone maximum is not a oneDNN post-op
-    return _make(g, roots, run, value, "conv" + ("+bias" if bias is not None else "") + f"+{attr}")
+    if channels_last:
+        wt = w.contiguous(memory_format=torch.channels_last)
+    else:
+        try:
+            wt = torch.ops.mkldnn._reorder_convolution_weight(
+                w.contiguous(), padding, stride, dilation, groups, list(x_access.shape)
+            )
+        except RuntimeError:
+            wt = w.contiguous()
+
+    def fn(x: Tensor) -> Tensor:
+        return conv_op(x, wt, bias, padding, stride, dilation, groups, attr, scalars, "")
+
+    return fn, x_access, "conv" + ("+bias" if bias is not None else "") + f"+{attr}"

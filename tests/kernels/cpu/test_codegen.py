@@ -234,3 +234,19 @@ def test_embedding_model_is_fully_native() -> None:
     compiled = kiln.compile(model, (ids,))
     assert not compiled.report.fallbacks, compiled.report.summary()
     assert_close_to_reference(compiled(ids), model(ids), rtol_to_max=1e-6)
+
+
+def test_depthwise_separable_conv_chain_matches_eager() -> None:
+    """Consecutive convs with a depthwise one run as one channels-last oneDNN chain."""
+    import kiln
+
+    block = torch.nn.Sequential(
+        torch.nn.Conv2d(8, 24, 1), torch.nn.BatchNorm2d(24), torch.nn.ReLU6(),
+        torch.nn.Conv2d(24, 24, 3, padding=1, groups=24), torch.nn.ReLU6(),
+        torch.nn.Conv2d(24, 8, 1),
+    ).eval()  # fmt: skip
+    x = torch.randn(1, 8, 12, 12)
+    compiled = kiln.compile(block, (x,), cache=False)
+    program = compiled.native_program
+    assert program is not None and any(" > " in e.what for e in program.externs)
+    assert_close_to_reference(compiled(x), block(x), rtol_to_max=1e-5)
