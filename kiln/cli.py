@@ -30,7 +30,7 @@ def demo(
     from benchmarks.models import DEFAULT_MODEL
 
     name = model or DEFAULT_MODEL
-    compile_model(name)
+    _compile_and_show(name, "blp", "native", profile=True)
     console.rule(f"side by side: {name}")
     bench_main(["--models", name, "--contenders", contenders, "--rounds", str(rounds),
                 "--out", str(_scratch_results())])  # fmt: skip
@@ -44,6 +44,10 @@ def compile_model(
     profile: bool = typer.Option(False, help="time every kernel (measured column)"),
 ) -> None:
     """Compile one model of the benchmark suite and print the report and kernel table."""
+    _compile_and_show(name, solver, executor, profile)
+
+
+def _compile_and_show(name: str, solver: str, executor: str, profile: bool) -> None:
     import torch
 
     import kiln
