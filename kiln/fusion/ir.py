@@ -166,6 +166,7 @@ class Graph:
     inputs: list[str] = field(default_factory=list)  # INPUT value names, call order
     outputs: list[str] = field(default_factory=list)  # returned value names, in order
     constants: dict[str, torch.Tensor] = field(default_factory=dict)  # PARAM and CONST data
+    _index: dict[str, Node] = field(default_factory=dict, repr=False, compare=False)
 
     # -- construction -------------------------------------------------------
     def add_value(
@@ -210,7 +211,12 @@ class Graph:
 
     # -- queries ------------------------------------------------------------
     def node(self, name: str) -> Node:
-        return self._node_index()[name]
+        """The node called ``name`` (an index rebuilt when the node list has changed)."""
+        n = self._index.get(name)
+        if n is None or n.name != name or len(self._index) != len(self.nodes):
+            self._index = {m.name: m for m in self.nodes}
+            n = self._index[name]
+        return n
 
     def producer(self, value: str) -> Node | None:
         p = self.values[value].producer
@@ -235,9 +241,6 @@ class Graph:
 
     def __len__(self) -> int:
         return len(self.nodes)
-
-    def _node_index(self) -> dict[str, Node]:
-        return {n.name: n for n in self.nodes}
 
     def validate(self) -> None:
         """Check topological order, single definitions and known ops."""

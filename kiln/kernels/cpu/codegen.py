@@ -124,7 +124,7 @@ class _Gen:
             return self.index_select(nodes[0])
         raise Unsupported(f"no native template for {sorted(n.op for n in nodes)}")
 
-    def external_inputs(self, k: Kernel, nodes: list[Node]) -> list[str]:
+    def external_inputs(self, nodes: list[Node]) -> list[str]:
         inside = {n.output for n in nodes}
         seen = dict.fromkeys(i for n in nodes for i in n.inputs if i not in inside)
         return list(seen)
@@ -134,7 +134,7 @@ class _Gen:
             if not supports_pointwise(n):
                 raise Unsupported(f"pointwise op {n.op}")
         shape = self.g.meta(nodes[-1].output).shape
-        ext = self.external_inputs(k, nodes)
+        ext = self.external_inputs(nodes)
         consts = self.consts(ext)
         ins = {v: self.operand(v, shape) for v in ext if v not in consts}
         outs = {v: self.out_operand(v) for v in k.outputs}
@@ -175,7 +175,7 @@ class _Gen:
                 return tuple(strides)
             raise Unsupported(f"scalar value {value} of shape {shape}")
 
-        ext = self.external_inputs(k, nodes)
+        ext = self.external_inputs(nodes)
         consts = self.consts(ext)
         row_readers = {
             i
@@ -252,7 +252,7 @@ class _Gen:
         for e in epi:
             if not supports_pointwise(e) or self.g.meta(e.output).shape != out_shape:
                 raise Unsupported(f"epilogue op {e.op} {self.g.meta(e.output).shape}")
-        ext = [v for v in self.external_inputs(k, epi) if v != mm.output]
+        ext = [v for v in self.external_inputs(epi) if v != mm.output]
         consts = self.consts(ext)
         ext_ops = {v: b3(self.operand(v, out_shape)) for v in ext if v not in consts}
         outs = {v: b3(self.out_operand(v)) for v in k.outputs}

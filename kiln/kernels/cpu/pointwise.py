@@ -49,9 +49,7 @@ def loop_nest(
     lines.append(
         f"    const int64_t jb = r % {nb}; r /= {nb};" if nb > 1 else "    const int64_t jb = 0;"
     )
-    idx_names = []
     for d in reversed(range(len(outer))):
-        idx_names.append(f"i{d}")
         if d == 0:
             lines.append(f"    const int64_t i{d} = r;")
         else:
