@@ -13,10 +13,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.fusion.ir import Graph, Node, OpClass
+from kiln.fusion.ir import Node, OpClass
 from kiln.fusion.layout import Access, access, contiguous_strides
-from kiln.fusion.program import Kernel, Program, Slot, is_extern
-from kiln.kernels.cpu.emit import NATIVE_DTYPES, PRELUDE, Operand, cfloat, supports_pointwise
+from kiln.fusion.program import Kernel, Program, is_extern
+from kiln.kernels.cpu.emit import NATIVE_DTYPES, Operand, cfloat, supports_pointwise
+from kiln.kernels.cpu.entry import (
+    PROFILE_PRELUDE,
+    assemble,
+    conv_chain,
+    extern_call,
+    is_conv,
+    timed,
+)
 from kiln.kernels.cpu.extern import Extern, conv_chain_extern, conv_extern, reference_extern
 from kiln.kernels.cpu.gemm import GemmSpec, emit_gemm
 from kiln.kernels.cpu.pack import pack_b
@@ -358,15 +366,15 @@ def generate(
     while idx < len(prog.kernels):
         k = prog.kernels[idx]
         start = len(calls)
-        chain = _conv_chain(prog, idx, consumers)
+        chain = conv_chain(prog, idx, consumers)
         ext = conv_chain_extern(g, chain, prog) if len(chain) > 1 else None
         if ext is not None:
-            calls += _extern_call(gen, ext, chain[-1].outputs[0])
+            calls += extern_call(gen, ext, chain[-1].outputs[0])
         else:
             chain = [k]
             _generate_kernel(gen, idx, k, calls, fallbacks, native)
         if profile:
-            calls[start:] = _timed(calls[start:], idx)
+            calls[start:] = timed(calls[start:], idx)
         idx += len(chain)
     start = len(calls)
     for j, v in prog.final_copies:
@@ -379,36 +387,15 @@ def generate(
         calls += gen.function(emit_copy(src, dst, shape, threads), gen.local)
         gen.local = None
     if profile:
-        calls[start:] = _timed(calls[start:], len(prog.kernels))
+        calls[start:] = timed(calls[start:], len(prog.kernels))
         bodies.append(PROFILE_PRELUDE.format(n=len(prog.kernels) + 1))
     for text, name in gen.functions.items():
         bodies.append(f"static int {name}(char* const* ops, const KilnRuntime* rt) {{")
         bodies.append(text)
         bodies.append("}")
     return CppProgram(
-        _assemble(gen, bodies, calls), gen.params, gen.externs, prog.arena_bytes, native, fallbacks
+        assemble(gen, bodies, calls), gen.params, gen.externs, prog.arena_bytes, native, fallbacks
     )
-
-
-PROFILE_PRELUDE = """
-#include <chrono>
-static double kiln_prof[{n}];
-extern "C" double* kiln_profile() {{ return kiln_prof; }}
-static inline double kiln_now() {{
-  return std::chrono::duration<double, std::micro>(
-      std::chrono::steady_clock::now().time_since_epoch()).count();
-}}
-"""
-
-
-def _timed(lines: list[str], slot: int) -> list[str]:
-    if not lines:
-        return lines
-    return [
-        "  { const double t0_ = kiln_now();",
-        *lines,
-        f"  kiln_prof[{slot}] += kiln_now() - t0_; }}",
-    ]
 
 
 def _generate_kernel(
@@ -423,8 +410,8 @@ def _generate_kernel(
     g, prog = gen.g, gen.prog
     if is_extern(g, k):
         for out in k.outputs:
-            ext = conv_extern(g, k, prog, out) if _is_conv(g, k) else None
-            calls += _extern_call(gen, ext or reference_extern(g, k, prog, out), out)
+            ext = conv_extern(g, k, prog, out) if is_conv(g, k) else None
+            calls += extern_call(gen, ext or reference_extern(g, k, prog, out), out)
         return
     gen.local = []
     try:
@@ -433,34 +420,11 @@ def _generate_kernel(
         gen.local = None
         fallbacks.append((idx, str(e)))
         for out in k.outputs:
-            calls += _extern_call(gen, reference_extern(g, k, prog, out), out)
+            calls += extern_call(gen, reference_extern(g, k, prog, out), out)
         return
     native.append(idx)
     calls += gen.function(body, gen.local)
     gen.local = None
-
-
-def _conv_chain(prog: Program, first: int, consumers: dict[str, list[Node]]) -> list[Kernel]:
-    """Kernels first, first+1, ... that are conv externs each reading (unviewed) only
-    the previous one's output, which nothing else reads."""
-    g = prog.graph
-    chain: list[Kernel] = []
-    for k in prog.kernels[first:]:
-        if not (is_extern(g, k) and _is_conv(g, k)) or len(k.outputs) != 1:
-            break
-        if chain:
-            prev = chain[-1].outputs[0]
-            conv = next(g.node(n) for n in k.nodes if g.node(n).op == "conv")
-            sole_reader = [n.name for n in consumers[prev]] == [conv.name]
-            if conv.inputs[0] != prev or not sole_reader or prev in g.outputs:
-                break
-        chain.append(k)
-    # NHWC pays for grouped/depthwise convolutions; dense ones run faster in oneDNN's
-    # blocked layout with reordered weights (measured: ResNet-18 slows down in NHWC).
-    grouped = any(
-        g.node(n).op == "conv" and g.node(n).attrs["groups"] > 1 for k in chain for n in k.nodes
-    )
-    return chain if grouped else chain[:1]
 
 
 def _prod(shape: tuple[int, ...]) -> int:
@@ -468,59 +432,3 @@ def _prod(shape: tuple[int, ...]) -> int:
     for s in shape:
         out *= s
     return out
-
-
-def _is_conv(g: Graph, k: Kernel) -> bool:
-    return any(g.node(n).op == "conv" for n in k.nodes)
-
-
-def _extern_call(gen: _Gen, ext: Extern, value: str) -> list[str]:
-    i = len(gen.externs)
-    gen.externs.append(ext)
-    ins = ", ".join(f"(void*){gen.ptr(r)}" for r in ext.roots)
-    out = gen.slot.setdefault(value, len(gen.slot))
-    lines = [f"  {{ void* ins[] = {{{ins or 'nullptr'}}};"]
-    lines.append(f"    char* r = (char*)rt->extern_call(rt->ctx, {i}, ins);")
-    lines.append("    if (!r) return 1;")
-    st = gen.prog.storage.get(value)
-    if st is not None and st.slot != Slot.EXTERN:  # planned storage: copy the result in
-        lines.append(f"    std::memcpy(P[{out}], r, {gen.g.meta(value).nbytes});")
-    else:
-        lines.append(f"    P[{out}] = r;")
-    lines.append("  }")
-    return lines
-
-
-def _assemble(gen: _Gen, bodies: list[str], calls: list[str]) -> str:
-    prog, g = gen.prog, gen.g
-    n_in, n_out = len(g.inputs), len(g.outputs)
-    # Native param buffers: constants referenced by kernels (packed weights already added).
-    setup = []
-    for v, idx in gen.slot.items():
-        st = prog.storage.get(v)
-        if st is None or st.slot == Slot.EXTERN:
-            continue
-        if st.slot == Slot.INPUT:
-            setup.append(f"  P[{idx}] = (char*)buffers[{st.index}];")
-        elif st.slot == Slot.OUTPUT:
-            setup.append(f"  P[{idx}] = (char*)buffers[{n_in + st.index}];")
-        elif st.slot == Slot.ARENA:
-            setup.append(f"  P[{idx}] = arena + {st.offset};")
-        else:  # PARAM
-            setup.append(f"  P[{idx}] = (char*)PP[{len(gen.params)}];")
-            gen.params.append(g.constants[v].contiguous())
-    n_params = len(gen.params)
-    head = [
-        PRELUDE,
-        *bodies,
-        'extern "C" int kiln_entry(void* const* buffers, const KilnRuntime* rt) {',
-        f"  char* P[{max(1, len(gen.slot))}] = {{}};",
-        f"  void* const* PP = buffers + {n_in + n_out};",
-        f"  char* arena = (char*)buffers[{n_in + n_out + n_params}];",
-        "  (void)arena; (void)PP;",
-        *setup,
-        *calls,
-        "  return 0;",
-        "}",
-    ]
-    return "\n".join(head) + "\n"
