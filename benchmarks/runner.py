@@ -93,6 +93,22 @@ class Worker:
         self._err.close()
 
 
+def timed_request(
+    w: Worker, command: str, opts: dict[str, Any]
+) -> tuple[dict[str, Any], float, float]:
+    """Wait for a quiet moment, send ``command`` and wait for the reply; return ``(reply,
+    co-tenants' share of all CPUs meanwhile, share just before)``. The co-tenant share is
+    busy time minus our own processes' (jiffies: coarse for short requests)."""
+    quiet = system.wait_quiet(opts["quiet_wait_s"], opts["quiet_busy"])
+    b0, t0 = system.busy_jiffies()
+    own0 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
+    w.send(command)
+    msg = w.recv(opts["round_timeout_s"])
+    b1, t1 = system.busy_jiffies()
+    own1 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
+    return msg, round(max(0, (b1 - b0) - (own1 - own0)) / max(t1 - t0, 1), 3), quiet
+
+
 def worker_env(cache_dir: Path) -> dict[str, str]:
     """Environment for workers: 2 threads for every runtime, a private inductor
     cache (cold per model), offline hubs, the repo on the path."""
@@ -148,23 +164,15 @@ def _bench_model(
         order = order[r % len(order) :] + order[: r % len(order)] if order else order
         for c in order:
             w = workers[c]
-            quiet = system.wait_quiet(opts["quiet_wait_s"], opts["quiet_busy"])
+            msg, other, quiet = timed_request(w, f"round {reps}", opts)
             res[c].setdefault("round_busy_before", []).append(quiet)
-            b0, t0 = system.busy_jiffies()
-            own0 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
-            w.send(f"round {reps}")
-            msg = w.recv(opts["round_timeout_s"])
-            b1, t1 = system.busy_jiffies()
-            own1 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
             if "error" in msg:
                 res[c]["error"] = f"round {r}: {msg['error']}"
                 w.close()
                 del workers[c]
                 continue
             medians[c].append(statistics.median(msg["times_s"]))
-            # co-tenants' share of all CPUs during the round: busy minus our own processes
-            other = max(0, (b1 - b0) - (own1 - own0)) / max(t1 - t0, 1)
-            res[c].setdefault("round_cotenant_busy", []).append(round(other, 3))
+            res[c].setdefault("round_cotenant_busy", []).append(other)
             time.sleep(0.05)  # let the idle workers' thread pools park before the next one runs
         emit("round", {"model": name, "round": r + 1, "rounds": rounds})
     for c, w in workers.items():

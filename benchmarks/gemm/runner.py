@@ -32,7 +32,7 @@ import torch
 from benchmarks import errors, system
 from benchmarks.gemm.contenders import LIBRARIES, NAMES, THREADS
 from benchmarks.gemm.shapes import CLASSES, EPILOGUES, Case, make_cases
-from benchmarks.runner import REPO, Worker, geomean, worker_env
+from benchmarks.runner import REPO, Worker, geomean, timed_request, worker_env
 
 TARGET = 1.2  # kiln / fastest library routine, per class
 Event = Callable[[str, dict[str, Any]], None]
@@ -100,17 +100,8 @@ def _start(cons: list[str], cases: list[Case], tmp: Path, opts: dict[str, Any], 
 
 def _time_once(w: GemmWorker, case: Case, reps: int, opts: dict[str, Any]
                ) -> tuple[dict[str, Any], float, float]:  # fmt: skip
-    """Wait for a quiet moment, time ``case`` on ``w``; return ``(reply, co-tenants'
-    share of all CPUs during the timing, share just before it)``."""
-    quiet = system.wait_quiet(opts["quiet_wait_s"], opts["quiet_busy"])
-    b0, t0 = system.busy_jiffies()
-    own0 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
-    w.send(f"time {case.name} {reps}")
-    msg = w.recv(opts["round_timeout_s"])
-    b1, t1 = system.busy_jiffies()
-    own1 = system.process_jiffies(w.proc.pid) + system.process_jiffies(os.getpid())
-    # busy minus our own processes (jiffies: coarse for short timings)
-    return msg, round(max(0, (b1 - b0) - (own1 - own0)) / max(t1 - t0, 1), 3), quiet
+    """Time ``case`` on ``w``: ``(reply, co-tenants' CPU share during, share before)``."""
+    return timed_request(w, f"time {case.name} {reps}", opts)
 
 
 def _rounds(workers: dict[str, GemmWorker], facts: dict[str, dict[str, Any]], cases: list[Case],

@@ -1,7 +1,7 @@
 """Storage aliasing, the graph index and regions shared by the fusion stages.
 
 Layout views (``view``, ``permute``, ``expand``, ``slice``) never run as kernels:
-a view's output is an alias of its input's storage. ``storage_root`` follows view
+a view's output is an alias of its input's storage. ``layout.storage_root`` follows view
 producers back to the value that owns the storage; kernels read and write
 storage roots only.
 
@@ -19,27 +19,15 @@ spans (see ``orchestrate.py`` for why that split is exact).
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kiln.fusion.ir import LAYOUT_VIEWS, Graph, Node, ValueKind
+from kiln.fusion.layout import storage_root
 
 
 def is_view(node: Node) -> bool:
     """True for layout views: aliases of their input, never inside a kernel."""
     return node.op in LAYOUT_VIEWS
-
-
-def storage_root(graph: Graph, value: str, nodes: Mapping[str, Node] | None = None) -> str:
-    """The value owning ``value``'s storage: follow view producers to a non-view value.
-
-    ``nodes`` (node name -> Node) avoids rebuilding the graph's node index per call.
-    """
-    by_name = nodes if nodes is not None else {n.name: n for n in graph.nodes}
-    while True:
-        producer = graph.values[value].producer
-        if producer is None or not is_view(by_name[producer]):
-            return value
-        value = by_name[producer].inputs[0]
 
 
 def bits(positions: Iterable[int]) -> int:
@@ -81,7 +69,7 @@ class GraphIndex:
         self.pos: dict[str, int] = {n.name: i for i, n in enumerate(self.nodes)}
         self.root: dict[str, str] = {}
         for v in graph.values:
-            self.root[v] = storage_root(graph, v, self.by_name)
+            self.root[v] = storage_root(graph, v)
         self.outputs: frozenset[str] = frozenset(graph.outputs)
         self.output_roots: frozenset[str] = frozenset(self.root[o] for o in graph.outputs)
         self._index_edges()

@@ -22,9 +22,9 @@ import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from kiln.fusion.aliases import storage_root
 from kiln.fusion.candidates import Candidate
 from kiln.fusion.ir import Graph, Node, OpClass, ValueKind
+from kiln.fusion.layout import storage_root
 from kiln.hardware.profile import HardwareProfile, cache_dir
 
 _TRANSCENDENTAL = frozenset(
@@ -49,7 +49,7 @@ class GraphLookup:
         return [self.by_name[n] for n in sorted(candidate.nodes, key=self.pos.__getitem__)]
 
     def root(self, value: str) -> str:
-        return storage_root(self.graph, value, self.by_name)
+        return storage_root(self.graph, value)
 
 
 def gemm_flops(node: Node, graph: Graph) -> float:

@@ -7,9 +7,10 @@ import itertools
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from kiln.fusion.aliases import GraphIndex, storage_root
+from kiln.fusion.aliases import GraphIndex
 from kiln.fusion.candidates import enumerate_candidates, legal_template, make_candidate
 from kiln.fusion.ir import Graph
+from kiln.fusion.layout import storage_root
 from tests.fusion.orch_graphs import (
     F32,
     const,
