@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import heapq
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -150,26 +150,23 @@ class TemplateRules:
         # pointwise: in-kernel reads are then same-shape by construction
         return "pointwise" if len({self.shape[i] for i in by_kind["pw"]}) == 1 else None
 
-    def _connected(self, mask: int) -> bool:
-        start = mask & -mask
+    def _reach(self, start: int, mask: int, edges: Sequence[int]) -> int:
+        """Nodes of ``mask`` reachable from the bitset ``start`` along ``edges``."""
         seen, frontier = start, start
         while frontier:
             nxt = 0
             for i in members(frontier):
-                nxt |= self.ix.nbr[i]
+                nxt |= edges[i]
             frontier = nxt & mask & ~seen
             seen |= frontier
-        return seen == mask
+        return seen
+
+    def _connected(self, mask: int) -> bool:
+        return self._reach(mask & -mask, mask, self.ix.nbr) == mask
 
     def _gemm_ok(self, mask: int, g: int) -> bool:
         """One mm/bmm; every other node is an epilogue of its output shape fed by it."""
-        reach, frontier = 1 << g, 1 << g
-        while frontier:
-            nxt = 0
-            for i in members(frontier):
-                nxt |= self.ix.succ[i]
-            frontier = nxt & mask & ~reach
-            reach |= frontier
+        reach = self._reach(1 << g, mask, self.ix.succ)
         return reach == mask and all(self.shape[i] == self.shape[g] for i in members(mask))
 
     def _conv_ok(self, mask: int, c: int, eps: list[int]) -> bool:
