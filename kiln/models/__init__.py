@@ -1,0 +1,1 @@
+"""Real models and checkpoint loading: ``catalog`` finds and loads the installed real models."""

@@ -1,0 +1,6 @@
+"""Quality metrics on real text: the Austen corpus, perplexity, sentence-embedding cosine.
+
+- ``corpus``: Jane Austen's six novels (``make data``), calibration and evaluation slices.
+- ``perplexity``: sliding-window perplexity of a causal language model.
+- ``embedding``: mean-pooled, normalised sentence embeddings and their mean cosine.
+"""
