@@ -4,9 +4,13 @@ kiln demo       compile the default model and race it against the peers
 kiln compile    compile one suite model and print what kiln chose
 kiln bench      the side-by-side benchmark suite
 kiln calibrate  measure this machine's hardware profile
+kiln compress   compress a language model (or encoder) to an accuracy budget
 """
 
 from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
@@ -98,6 +102,109 @@ def calibrate(threads: int = typer.Option(2, help="threads to calibrate for")) -
     with console.status("calibrating"):
         profile = load_profile(threads=threads, refresh=True)
     console.print(profile)
+
+
+@app.command()
+def compress(
+    checkpoint: str = typer.Argument(
+        "smollm2", help="smollm2 | minilm | a .gguf file | a Hugging Face directory"
+    ),
+    max_ppl_increase: str = typer.Option(
+        "1%", help="largest allowed perplexity increase on held-out text, e.g. 1% or 0.01"
+    ),
+    min_cosine: float = typer.Option(
+        0.99, help="encoders: smallest allowed mean embedding cosine to the original"
+    ),
+    objective: str = typer.Option("size", help="size (bytes) or latency (measured per layer)"),
+    out: str = typer.Option("compressed", help="output directory"),
+    calib_samples: int = typer.Option(16, help="calibration windows of 512 tokens (Emma)"),
+    eval_tokens: int = typer.Option(
+        4096, help="held-out tokens of Pride and Prejudice (sentences for an encoder)"
+    ),
+    uniform: bool = typer.Option(True, help="also measure every option applied uniformly"),
+    options: str = typer.Option(
+        "",
+        help="comma list of options to choose among (default: int8-gptq, int4-g128-gptq, "
+        "int4-g64-gptq, int4-g32-gptq, 2:4-sparsegpt, lowrank-e0.3-aa)",
+    ),  # fmt: skip
+) -> None:
+    """Compress CHECKPOINT's linear layers to the smallest mix of INT8 / INT4 (g32-128) /
+    2:4 sparsity / low rank whose measured accuracy loss is within the budget.
+
+    Calibrates on Emma (forward + backward), predicts every (layer, option)'s loss increase,
+    picks one option per layer with an exact grouped knapsack, measures the result on
+    Pride and Prejudice and tightens until it is within budget. Writes a checkpoint that
+    `kiln.compress.load_compressed` reads back, report.md and frontier.png to --out.
+    Needs the text (`make data`)."""
+    from kiln.compress.configs import parse_config
+    from kiln.compress.driver import run
+    from kiln.compress.workflow import DEFAULT_OPTIONS
+
+    if objective not in ("size", "latency"):
+        raise typer.BadParameter("--objective must be size or latency")
+    try:
+        configs = [parse_config(o) for o in options.split(",")] if options else DEFAULT_OPTIONS
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    if not 0 < min_cosine < 1:
+        raise typer.BadParameter(f"--min-cosine must be in (0, 1), got {min_cosine}")
+    with _RichReporter() as reporter:
+        result = run(
+            checkpoint, _fraction(max_ppl_increase), encoder_max_increase=1.0 - min_cosine,
+            objective="bytes" if objective == "size" else "latency",
+            out_dir=Path(out), calib_samples=calib_samples, eval_size=eval_tokens,
+            uniform=uniform, options=configs, reporter=reporter,
+        )  # fmt: skip
+    assert result.report is not None
+    console.print(result.report.read_text().split("## Per layer")[0], markup=False)
+    met = result.outcome.result.met
+    console.print(
+        f"{'within' if met else 'NOT within'} budget; wrote {out}/ (report.md, frontier.png)"
+    )
+    if not met:
+        raise typer.Exit(1)
+
+
+def _fraction(text: str) -> float:
+    """'1%' -> 0.01, '0.01' -> 0.01."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise typer.BadParameter(f"not a fraction or percentage: {text!r}") from None
+    if not 0 < value < 10:
+        raise typer.BadParameter(f"budget must be positive (and below 1000%), got {text!r}")
+    return value
+
+
+class _RichReporter:
+    """Progress for long compression runs: one bar per stage, notes printed above."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        self.progress = Progress(
+            "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+            TimeElapsedColumn(), console=console,
+        )  # fmt: skip
+        self.task: Any = None
+
+    def __enter__(self) -> _RichReporter:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+    def stage(self, name: str, total: int) -> None:
+        if self.task is not None:
+            self.progress.update(self.task, completed=self.progress.tasks[-1].total)
+        self.task = self.progress.add_task(name, total=total)
+
+    def advance(self, done: int, total: int) -> None:
+        self.progress.update(self.task, completed=done, total=total)
+
+    def note(self, text: str) -> None:
+        self.progress.console.print(text, markup=False)
 
 
 def _scratch_results() -> str:

@@ -123,3 +123,36 @@ def needs_calibration(config: CompressionConfig) -> bool:
 def _check_method(method: str) -> None:
     if method not in ("rtn", "gptq"):
         raise ValueError(f"method must be 'rtn' or 'gptq', got {method!r}")
+
+
+def parse_config(name: str) -> CompressionConfig:
+    """The config whose ``name`` is ``name`` (the inverse of ``config.name``):
+    int8[-gptq], int4-g{32,64,128}[-asym][-gptq], 2:4[-sparsegpt],
+    lowrank-r{rank}|-e{max_error}[-aa]."""
+    parts = name.strip().split("-")
+    head, rest = parts[0], parts[1:]
+    try:
+        if head == "int8" and rest in ([], ["gptq"]):
+            return Int8WeightOnly(method="gptq" if rest else "rtn")
+        if head == "int4" and rest and rest[0].startswith("g"):
+            flags = rest[1:]
+            if set(flags) <= {"asym", "gptq"} and len(set(flags)) == len(flags):
+                return Int4WeightOnly(
+                    group_size=int(rest[0][1:]),
+                    symmetric="asym" not in flags,
+                    method="gptq" if "gptq" in flags else "rtn",
+                )
+        if head == "2:4" and rest in ([], ["sparsegpt"]):
+            return SemiStructured24(method="sparsegpt" if rest else "magnitude")
+        if head == "lowrank" and rest and rest[1:] in ([], ["aa"]):
+            aware = rest[1:] == ["aa"]
+            if rest[0].startswith("r"):
+                return LowRank(rank=int(rest[0][1:]), activation_aware=aware)
+            if rest[0].startswith("e"):
+                return LowRank(max_error=float(rest[0][1:]), activation_aware=aware)
+    except ValueError as err:
+        raise ValueError(f"bad compression option {name!r}: {err}") from None
+    raise ValueError(
+        f"unknown compression option {name!r} (e.g. int8-gptq, int4-g64-gptq, "
+        "int4-g32-asym, 2:4-sparsegpt, lowrank-e0.3-aa, lowrank-r64)"
+    )

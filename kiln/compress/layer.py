@@ -28,6 +28,7 @@ from kiln.compress.modules import (
     LowRankLinear,
     Sparse24Linear,
 )
+from kiln.compress.obs import Moment
 
 
 class NoSaving(ValueError):
@@ -35,7 +36,7 @@ class NoSaving(ValueError):
 
 
 def compress_linear(
-    layer: nn.Linear, config: CompressionConfig, h: Tensor | None = None
+    layer: nn.Linear, config: CompressionConfig, h: Moment | None = None
 ) -> CompressedLinear:
     """Compress ``layer``; ``h`` is its inputs' second moment (K, K), needed by the
     calibration-aware methods (GPTQ, SparseGPT, activation-aware low rank)."""
@@ -48,7 +49,7 @@ def compress_linear(
 
 
 def _compress_weight(
-    w: Tensor, bias: Tensor | None, config: CompressionConfig, h: Tensor | None
+    w: Tensor, bias: Tensor | None, config: CompressionConfig, h: Moment | None
 ) -> CompressedLinear:
     n, k = w.shape
     if isinstance(config, Int8WeightOnly):

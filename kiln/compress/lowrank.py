@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kiln.compress.obs import DAMP, dampened
+from kiln.compress.obs import Moment, as_moment
 
 
 def rank_for_error(singular_values: Tensor, max_error: float) -> int:
@@ -36,12 +36,12 @@ def factorize(
     *,
     rank: int | None = None,
     max_error: float | None = None,
-    h: Tensor | None = None,
+    h: Moment | None = None,
 ) -> tuple[Tensor, Tensor]:
     """(N, K) -> U (N, r), V (r, K) with W ~ U V. ``h`` (K, K) makes it activation-aware."""
     w = w.detach().double()
     if h is not None:
-        chol = _input_cholesky(h)  # (K, K) lower, H ~ L L^T
+        chol = as_moment(h).cholesky  # (K, K) lower, H ~ L L^T
         u, s, vh = torch.linalg.svd(w @ chol, full_matrices=False)
     else:
         u, s, vh = torch.linalg.svd(w, full_matrices=False)
@@ -52,8 +52,3 @@ def factorize(
     if h is not None:  # right L^-1: solve X L = right for X
         right = torch.linalg.solve_triangular(chol, right, upper=False, left=False)
     return left.float(), right.float()
-
-
-def _input_cholesky(h: Tensor) -> Tensor:
-    """Lower Cholesky factor L of the dampened input second moment (H ~ L L^T)."""
-    return torch.linalg.cholesky(dampened(h, DAMP))

@@ -111,9 +111,8 @@ class Int8Linear(CompressedLinear):
         return self.qweight.float() * self.scale[:, None]
 
     def slice_rows(self, start: int, stop: int) -> Int8Linear:
-        return Int8Linear(
-            self.qweight[start:stop], self.scale[start:stop], self._bias_rows(start, stop)
-        )
+        q, scale = self.qweight[start:stop].clone(), self.scale[start:stop].clone()
+        return Int8Linear(q, scale, self._bias_rows(start, stop))
 
     def _build_kernel(self) -> Kernel:
         from kiln.kernels.woq import int8_weight_only

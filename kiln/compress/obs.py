@@ -12,6 +12,7 @@ What differs between methods is only how one column is rounded, so that is a sma
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -57,6 +58,31 @@ def inverse_hessian_factor(h: Tensor, damp: float = DAMP) -> Tensor:
     raise ValueError("input second moment is not positive definite even after dampening")
 
 
+class InputMoment:
+    """H = mean x x^T of a layer's inputs plus its factorisations, each computed once
+    and shared by every method compressing layers that read those inputs."""
+
+    def __init__(self, h: Tensor) -> None:
+        self.h = h  # (K, K)
+
+    @functools.cached_property
+    def hinv_factor(self) -> Tensor:
+        """Upper Cholesky factor of the dampened H^-1 (GPTQ / SparseGPT)."""
+        return inverse_hessian_factor(self.h)
+
+    @functools.cached_property
+    def cholesky(self) -> Tensor:
+        """Lower Cholesky factor L of the dampened H, H ~ L L^T (fp64; low rank)."""
+        return torch.linalg.cholesky(dampened(self.h, DAMP))
+
+
+Moment = Tensor | InputMoment
+
+
+def as_moment(h: Moment) -> InputMoment:
+    return h if isinstance(h, InputMoment) else InputMoment(h)
+
+
 @contextmanager
 def _one_thread() -> Iterator[None]:
     """The column loop is thousands of small ops; a second thread only adds contention
@@ -69,16 +95,17 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def obs_compress(w: Tensor, h: Tensor, rounder: ColumnRounder, damp: float = DAMP) -> Tensor:
+def obs_compress(w: Tensor, h: Moment, rounder: ColumnRounder) -> Tensor:
     """Compress (N, K) weights column by column with error feedback; returns (N, K) fp32.
 
     ``h`` is the inputs' second moment (K, K). Inputs that never fire (zero diagonal)
     get zero weight, as they cannot affect the output. Rows are independent given H, so
     layers reading the same input may be stacked along N and compressed in one pass.
     """
-    u = inverse_hessian_factor(h, damp)  # (K, K) upper
+    moment = as_moment(h)
+    u = moment.hinv_factor  # (K, K) upper
     with _one_thread():
-        return _column_loop(w, h, u, rounder)
+        return _column_loop(w, moment.h, u, rounder)
 
 
 def _column_loop(w: Tensor, h: Tensor, u: Tensor, rounder: ColumnRounder) -> Tensor:
@@ -152,7 +179,7 @@ class Sparse24Rounder:
         return w * self.keep[:, k]
 
 
-def gptq_int8(w: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+def gptq_int8(w: Tensor, h: Moment) -> tuple[Tensor, Tensor]:
     """GPTQ INT8: (N, K) weights, (K, K) H -> (qweight int8, scale fp32)."""
     rounder = Int8Rounder(w)
     deq = obs_compress(w, h, rounder)
@@ -160,7 +187,7 @@ def gptq_int8(w: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
 
 
 def gptq_int4(
-    w: Tensor, h: Tensor, group_size: int, symmetric: bool
+    w: Tensor, h: Moment, group_size: int, symmetric: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """GPTQ INT4: -> (codes uint8 (N, K), scale fp16 (N, G), offset fp16 (N, G))."""
     n, k = w.shape
@@ -174,7 +201,7 @@ def gptq_int4(
     return q.reshape(n, k), rounder.scale, rounder.offset
 
 
-def sparsegpt_24(w: Tensor, h: Tensor) -> Tensor:
+def sparsegpt_24(w: Tensor, h: Moment) -> Tensor:
     """SparseGPT 2:4: -> (N, K) fp32 weights with exactly 2 zeros in every 4 inputs."""
     n, k = w.shape
     if k % 4:

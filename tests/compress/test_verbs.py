@@ -96,3 +96,24 @@ def test_lowrank_skips_layers_without_savings() -> None:
     model = toy_mlp()
     # max_error 1e-6 needs (nearly) full rank: no layer saves bytes, none is replaced
     assert lowrank_(model, LowRank(max_error=1e-6)) == []
+
+
+@pytest.mark.parametrize(
+    "config",
+    [Int8WeightOnly(), Int8WeightOnly(method="gptq"), Int4WeightOnly(group_size=64),
+     Int4WeightOnly(group_size=32, symmetric=False, method="gptq"), SemiStructured24(),
+     SemiStructured24(method="sparsegpt"), LowRank(rank=64), LowRank(max_error=0.3, activation_aware=True)],
+    ids=lambda c: c.name,
+)  # fmt: skip
+def test_parse_config_inverts_name(config) -> None:
+    from kiln.compress.configs import parse_config
+
+    assert parse_config(config.name) == config
+
+
+@pytest.mark.parametrize("bad", ["int3", "int4-g48", "int4", "lowrank", "int8-foo", "2:4-x"])
+def test_parse_config_rejects(bad: str) -> None:
+    from kiln.compress.configs import parse_config
+
+    with pytest.raises(ValueError):
+        parse_config(bad)
