@@ -56,3 +56,19 @@ def test_sparse24_storage_and_pattern() -> None:
     assert layer.nbytes() == 4 * 4 + 1  # 4 kept fp32 values, 2 groups' positions in 1 byte
     with pytest.raises(ValueError, match="not 2:4 sparse"):
         Sparse24Linear.from_dense(torch.ones(1, 8), None)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_cuda_forward_matches_cpu(config, rows: int) -> None:
+    """Moved to a GPU, a compressed layer runs its CUDA kernel (Triton for INT8/INT4) and
+    must agree with the CPU result."""
+    torch.manual_seed(rows)
+    q = compress_linear(nn.Linear(256, 192), config)
+    x = torch.randn(rows, 256)
+    with torch.no_grad():
+        expected = q(x)
+        q_gpu = q.to("cuda")
+        assert_close_to_reference(q_gpu(x.cuda()).cpu(), expected, rtol_to_max=1e-4)
