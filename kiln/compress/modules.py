@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.compress import quantizers as qz
+from kiln.kernels.woq import dequantize_int4, int4_weight_only, int8_weight_only
 
 Kernel = Callable[[Tensor], Tensor]
 
@@ -115,8 +116,6 @@ class Int8Linear(CompressedLinear):
         return Int8Linear(q, scale, self._bias_rows(start, stop))
 
     def _build_kernel(self) -> Kernel:
-        from kiln.kernels.woq import int8_weight_only
-
         return int8_weight_only(self.qweight, self.scale)
 
 
@@ -152,7 +151,7 @@ class Int4Linear(CompressedLinear):
         return cls(torch.zeros(n, k // 2, dtype=torch.uint8), params, params.clone(), g, bias)
 
     def dense_weight(self) -> Tensor:
-        return qz.dequantize_int4_codes(qz.unpack_int4(self.packed), self.scale, self.offset)
+        return dequantize_int4(self.packed, self.scale, self.offset, self.group_size)
 
     def slice_rows(self, start: int, stop: int) -> Int4Linear:
         return Int4Linear(
@@ -162,8 +161,6 @@ class Int4Linear(CompressedLinear):
         )  # fmt: skip
 
     def _build_kernel(self) -> Kernel:
-        from kiln.kernels.woq import int4_weight_only
-
         return int4_weight_only(self.packed, self.scale, self.offset, self.group_size)
 
 

@@ -5,7 +5,8 @@ Formats (shared with ``kiln.kernels.woq``, which runs them):
 * INT8: ``qweight`` int8 (N, K) in [-127, 127], ``scale`` fp32 (N,); W = q * scale.
 * INT4: ``packed`` uint8 (N, K/2) with q[:, 2j] in the low nibble and q[:, 2j+1] in the
   high one, q in [0, 15]; ``scale``/``offset`` fp16 (N, K/g); W = q * scale + offset.
-  Symmetric means offset = -8 * scale.
+  Symmetric means offset = -8 * scale. The format's checks, unpacking and dequantization
+  live with the kernels (``kiln.kernels.woq``); the quantizers here only produce it.
 
 Scales are rounded to their storage dtype *before* q is computed, so dequantizing the
 stored tensors reproduces exactly the values the quantizer chose.
@@ -86,12 +87,6 @@ def pack_int4(q: Tensor) -> Tensor:
         raise ValueError(f"INT4 packing needs an even input dim, got {q.shape[-1]}")
     q = q.to(torch.uint8)
     return q[..., 0::2] | (q[..., 1::2] << 4)
-
-
-def unpack_int4(packed: Tensor) -> Tensor:
-    """(N, K/2) uint8 -> (N, K) codes in [0, 15]."""
-    low, high = packed & 0xF, packed >> 4
-    return torch.stack((low, high), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def check_int4_shape(k: int, group_size: int) -> None:

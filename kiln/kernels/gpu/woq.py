@@ -47,8 +47,14 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from kiln.kernels.woq import (
+    check_int4,
+    check_int8,
+    dequantize_int4,
+    dequantize_int8,
+)
+
 ACTIVATION_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-INT4_GROUP_SIZES = (32, 64, 128)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -217,15 +223,7 @@ def int8_matmul(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:
     qweight: int8 (N, K); scale: float32 (N,). Runs the Triton kernel on CUDA (or under
     ``TRITON_INTERPRET=1``), :func:`int8_matmul_reference` on other devices.
     """
-    if qweight.dtype != torch.int8 or qweight.dim() != 2:
-        raise ValueError(
-            f"int8_matmul: qweight must be int8 (N, K), got {qweight.dtype} {tuple(qweight.shape)}"
-        )
-    n, k = qweight.shape
-    if scale.dtype != torch.float32 or tuple(scale.shape) != (n,):
-        raise ValueError(
-            f"int8_matmul: scale must be float32 ({n},), got {scale.dtype} {tuple(scale.shape)}"
-        )
+    n, k = check_int8(qweight, scale)
     _check_activation(x, k, "int8_matmul")
     _check_same_device("int8_matmul", x, {"qweight": qweight, "scale": scale})
     if not _runs_triton(x):
@@ -261,23 +259,7 @@ def int4_matmul(
     scale, offset: float16 (N, K // group_size); group_size in {32, 64, 128}. Runs the Triton
     kernel on CUDA (or under ``TRITON_INTERPRET=1``), :func:`int4_matmul_reference` elsewhere.
     """
-    if group_size not in INT4_GROUP_SIZES:
-        raise ValueError(
-            f"int4_matmul: group_size must be one of {INT4_GROUP_SIZES}, got {group_size}"
-        )
-    if packed.dtype != torch.uint8 or packed.dim() != 2:
-        raise ValueError(
-            f"int4_matmul: packed must be uint8 (N, K // 2), got {packed.dtype} {tuple(packed.shape)}"
-        )
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    if k % group_size:
-        raise ValueError(f"int4_matmul: K = {k} is not a multiple of group_size = {group_size}")
-    groups = (n, k // group_size)
-    for what, t in (("scale", scale), ("offset", offset)):
-        if t.dtype != torch.float16 or tuple(t.shape) != groups:
-            raise ValueError(
-                f"int4_matmul: {what} must be float16 {groups}, got {t.dtype} {tuple(t.shape)}"
-            )
+    n, k = check_int4(packed, scale, offset, group_size)
     _check_activation(x, k, "int4_matmul")
     _check_same_device("int4_matmul", x, {"packed": packed, "scale": scale, "offset": offset})
     if not _runs_triton(x):
@@ -320,22 +302,6 @@ def launch_int4(
 # ----------------------------------------------------------------------------------------------
 # References (and the fallback off the GPU)
 # ----------------------------------------------------------------------------------------------
-
-
-def dequantize_int8(qweight: Tensor, scale: Tensor) -> Tensor:
-    """INT8 weight -> float32 (N, K): ``qweight[n, k] * scale[n]``."""
-    return qweight.to(torch.float32) * scale.to(torch.float32)[:, None]
-
-
-def dequantize_int4(packed: Tensor, scale: Tensor, offset: Tensor, group_size: int) -> Tensor:
-    """INT4 weight -> float32 (N, K): ``q[n, k] * scale[n, k // g] + offset[n, k // g]``."""
-    n = packed.shape[0]
-    lo = (packed & 0xF).to(torch.float32)  # (N, K // 2): columns 0, 2, 4, ...
-    hi = (packed >> 4).to(torch.float32)  # (N, K // 2): columns 1, 3, 5, ...
-    q = torch.stack((lo, hi), dim=-1).reshape(n, -1)  # (N, K)
-    s = scale.to(torch.float32).repeat_interleave(group_size, dim=1)  # (N, K)
-    o = offset.to(torch.float32).repeat_interleave(group_size, dim=1)  # (N, K)
-    return q * s + o
 
 
 def int8_matmul_reference(x: Tensor, qweight: Tensor, scale: Tensor) -> Tensor:

@@ -214,7 +214,7 @@ def test_int8_rejects_bad_operands() -> None:
     q, scale = rtn_int8(weights(32, 64, torch.device("cpu"), seed=9))
     x = torch.randn(2, 64)
     bad = [
-        (x, q.float(), scale, "qweight must be int8"),
+        (x, q.float(), scale, "qweight must be a 2-D int8"),
         (x, q, scale.half(), "scale must be float32"),
         (x, q, scale[:-1], "scale must be float32"),
         (torch.randn(2, 63), q, scale, "x must be"),
@@ -232,7 +232,7 @@ def test_int4_rejects_bad_operands() -> None:
     bad = [
         (x, packed, s4, o4, 16, "group_size must be one of"),
         (x, packed, s4, o4, 128, "not a multiple of group_size"),
-        (x, packed.to(torch.int8), s4, o4, 32, "packed must be uint8"),
+        (x, packed.to(torch.int8), s4, o4, 32, "packed must be a 2-D uint8"),
         (x, packed, s4.float(), o4, 32, "scale must be float16"),
         (x, packed, s4, o4[:, :1], 32, "offset must be float16"),
         (torch.randn(2, 32), packed, s4, o4, 32, "x must be"),
