@@ -95,6 +95,7 @@ def run_model(
         "table_md": scheme_table(rows, task, other_bytes),
         "plan_md": summaries,
         "plot": png.name,
+        "frontier": [(p.cost, p.loss) for p in frontier],  # bytes, predicted loss (nats)
         "uniform_within": _uniform_within(rows, budgets),
     }
 

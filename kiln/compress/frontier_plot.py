@@ -55,12 +55,15 @@ def plot_frontier(
     y_scale: float = 1.0,
     title: str = "",
     frontier_label: str = "frontier (predicted)",
+    y_log: bool = False,
 ) -> Path:
     """Write the frontier, uniform schemes and chosen plans to the PNG ``path``; return it.
 
     ``frontier`` points may come in any order (x = ``cost * x_scale``, y = ``loss *
     y_scale``); ``uniform`` and ``chosen`` map a name to ``(cost, y)`` with the cost in the
     frontier's unit (scaled by ``x_scale`` too) and y already in the plotted unit.
+    ``y_log`` draws y on a symmetric-log axis (linear below 0.1), so schemes that lose
+    thousands of percent do not flatten the ones within a budget of 1 %.
     """
     if not (math.isfinite(x_scale) and x_scale > 0 and math.isfinite(y_scale)):
         raise ValueError(f"x_scale must be finite > 0 and y_scale finite: {x_scale}, {y_scale}")
@@ -85,6 +88,11 @@ def plot_frontier(
     _labelled(ax, uniform, x_scale, marker="o", s=36, color="tab:orange", label="uniform")
     _labelled(ax, chosen, x_scale, marker="*", s=180, color="tab:red", label="chosen plan")
     ax.axhline(0.0, color="0.6", linewidth=0.8, zorder=1)
+    if y_log:
+        ax.set_yscale("symlog", linthresh=0.1)
+        lowest = min([*ys, *(y for _, y in [*uniform.values(), *chosen.values()])], default=0.0)
+        if lowest >= 0:  # nothing below zero: do not spend half the axis on it
+            ax.set_ylim(bottom=-0.02)
     ax.set_xlabel(x_label)
     ax.set_ylabel(y_label)
     if title:

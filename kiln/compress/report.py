@@ -109,7 +109,7 @@ def plot(
     y_label = "perplexity increase (%)" if task.kind == "lm" else "1 - cosine (%)"
     return plot_frontier(
         frontier_in_units(outcome_frontier, task), path, uniform=uniform, chosen=chosen,
-        x_label="linear layers (MB)", y_label=y_label, title=title,
+        x_label="linear layers (MB)", y_label=y_label, title=title, y_log=True,
     )  # fmt: skip
 
 

@@ -66,3 +66,14 @@ def test_plot_rejects_non_finite_values(tmp_path: Path) -> None:
         plot_frontier([], tmp_path / "x.png", uniform={"bad": (1.0, float("nan"))})
     with pytest.raises(ValueError, match="x_scale"):
         plot_frontier([], tmp_path / "x.png", uniform={}, x_scale=0.0)
+
+
+def test_log_axis_plot(tmp_path: Path) -> None:
+    """Outliers thousands of percent up must not flatten the budget-sized points."""
+    from kiln.compress.allocate import FrontierPoint
+    from kiln.compress.frontier_plot import plot_frontier
+
+    frontier = [FrontierPoint(4e8, 0.0, (0,)), FrontierPoint(1e8, 0.5, (1,))]
+    out = plot_frontier(frontier, tmp_path / "f.png", uniform={"lowrank": (1.7e8, 16000.0)},
+                        chosen={"mixed": (1e8, 0.4)}, y_log=True)  # fmt: skip
+    assert out.read_bytes()[:4] == b"\x89PNG"
