@@ -6,7 +6,6 @@ the sensitivity analysis and the planner all go through ``compress_linear``.
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor, nn
 
 from kiln.compress import obs
@@ -105,9 +104,3 @@ def effective_group_size(k: int, group_size: int) -> int:
 def weight_error(layer: nn.Linear, compressed: CompressedLinear) -> Tensor:
     """Delta W = W_compressed - W: (N, K) fp32 on the CPU."""
     return compressed.dense_weight().cpu() - layer.weight.detach().float().cpu()
-
-
-@torch.no_grad()
-def output_sqnr_db(layer: nn.Linear, compressed: CompressedLinear, x: Tensor) -> float:
-    """SQNR (dB) of the compressed layer's outputs against the original's on inputs x."""
-    return qz.sqnr_db(layer(x), compressed(x))
