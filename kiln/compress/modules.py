@@ -56,6 +56,29 @@ class CompressedLinear(nn.Module):
         column sharding, or splitting layers that were compressed side by side)."""
         raise NotImplementedError
 
+    def slice_cols(self, start: int, stop: int) -> CompressedLinear:
+        """The layer reading input features [start, stop) only: x[..., start:stop] times
+        W[:, start:stop]^T, plus the full bias (tensor-parallel row sharding; the caller
+        that sums the partial products adds the bias once). Formats that store K in blocks
+        accept only block boundaries and refuse others with a ValueError."""
+        raise NotImplementedError
+
+    def _check_cols(self, start: int, stop: int, multiple: int, why: str) -> None:
+        if not 0 <= start < stop <= self.in_features:
+            raise ValueError(
+                f"{type(self).__name__}.slice_cols: [{start}, {stop}) is not a non-empty "
+                f"range of its {self.in_features} input features"
+            )
+        for edge in (start, stop):
+            if edge % multiple:
+                raise ValueError(
+                    f"{type(self).__name__}.slice_cols: column {edge} is not a multiple of "
+                    f"{multiple} ({why}); slice [{start}, {stop}) at such boundaries"
+                )
+
+    def _bias_all(self) -> Tensor | None:
+        return None if self.bias is None else self.bias.clone()
+
     def _bias_rows(self, start: int, stop: int) -> Tensor | None:
         return None if self.bias is None else self.bias[start:stop].clone()
 
@@ -115,6 +138,11 @@ class Int8Linear(CompressedLinear):
         q, scale = self.qweight[start:stop].clone(), self.scale[start:stop].clone()
         return Int8Linear(q, scale, self._bias_rows(start, stop))
 
+    def slice_cols(self, start: int, stop: int) -> Int8Linear:
+        self._check_cols(start, stop, 1, "any column")
+        q = self.qweight[:, start:stop].clone()  # per-channel scales cover every column
+        return Int8Linear(q, self.scale.clone(), self._bias_all())
+
     def _build_kernel(self) -> Kernel:
         return int8_weight_only(self.qweight, self.scale)
 
@@ -158,6 +186,16 @@ class Int4Linear(CompressedLinear):
             self.packed[start:stop].clone(), self.scale[start:stop].clone(),
             self.offset[start:stop].clone(),
             self.group_size, self._bias_rows(start, stop),
+        )  # fmt: skip
+
+    def slice_cols(self, start: int, stop: int) -> Int4Linear:
+        g = self.group_size
+        self._check_cols(start, stop, g, f"INT4 groups are {g} columns wide")
+        return Int4Linear(
+            self.packed[:, start // 2 : stop // 2].clone(),  # two columns per byte
+            self.scale[:, start // g : stop // g].clone(),
+            self.offset[:, start // g : stop // g].clone(),
+            g, self._bias_all(),
         )  # fmt: skip
 
     def _build_kernel(self) -> Kernel:
@@ -218,6 +256,21 @@ class Sparse24Linear(CompressedLinear):
             self._bias_rows(start, stop),
         )
 
+    def slice_cols(self, start: int, stop: int) -> Sparse24Linear:
+        self._check_cols(start, stop, 4, "2:4 groups are 4 columns wide")
+        if (stop - start) % 8:
+            raise ValueError(
+                f"Sparse24Linear.slice_cols: [{start}, {stop}) is {stop - start} columns; the "
+                "format packs two 4-column groups per byte, so the width must be a multiple of 8"
+            )
+        n, k = self.out_features, self.in_features
+        # one nibble per 4-column group: unpack, take the groups, repack two per byte
+        nib = torch.stack((self.positions & 0xF, self.positions >> 4), -1).reshape(n, k // 4)
+        nib = nib[:, start // 4 : stop // 4]  # (N, (stop - start) / 4)
+        positions = nib[:, 0::2] | (nib[:, 1::2] << 4)
+        values = self.values[:, start // 2 : stop // 2].clone()  # two kept values per group
+        return Sparse24Linear(values, positions, self._bias_all())
+
     def _build_kernel(self) -> Kernel:
         w = self.dense_weight()
         if w.is_cuda:
@@ -263,6 +316,10 @@ class LowRankLinear(CompressedLinear):
         return LowRankLinear(
             self.u[start:stop].clone(), self.v.clone(), self._bias_rows(start, stop)
         )
+
+    def slice_cols(self, start: int, stop: int) -> LowRankLinear:
+        self._check_cols(start, stop, 1, "any column")
+        return LowRankLinear(self.u.clone(), self.v[:, start:stop].clone(), self._bias_all())
 
     def _build_kernel(self) -> Kernel:
         return lambda x: F.linear(F.linear(x, self.v), self.u)

@@ -1,0 +1,185 @@
+"""Greedy generation over tp x pp ranks: the rank layout, one rank's part, the whole job.
+
+Layout: ``world = tp * pp``; global rank r is tensor-parallel rank ``r % tp`` of pipeline
+stage ``r // tp``, so a stage's tensor-parallel group is consecutive ranks (one machine
+under torchrun) and pipeline j is ranks j, j + tp, j + 2 tp, ... Each rank builds the full
+model with ``model_factory`` (e.g. a loader call), trims it to its stage, shards the stage
+across its tensor-parallel group, and runs ``pipeline_generate``::
+
+    tokens = generate_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from kiln.models.transformer import Transformer
+from kiln.parallel.launch import launch, progress
+from kiln.parallel.pp import (
+    GenerationOutput,
+    PipeRanks,
+    Stage,
+    even_split,
+    pipeline_generate,
+    split_stages,
+)
+from kiln.parallel.tp import shard_tensor_parallel
+
+ModelFactory = Callable[[], Transformer]
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Where global ``rank`` sits in a tp x pp job, and its process groups (None for a
+    group of one)."""
+
+    tp: int
+    pp: int
+    rank: int
+    tp_group: dist.ProcessGroup | None
+    pp_group: dist.ProcessGroup | None
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    def global_rank(self, stage: int, tp_rank: int) -> int:
+        return stage * self.tp + tp_rank
+
+    def pipe_ranks(self) -> PipeRanks:
+        """The ranks of this rank's pipeline it sends to and receives from."""
+        s, j = self.stage, self.tp_rank
+        return PipeRanks(
+            prev=self.global_rank(s - 1, j) if s > 0 else None,
+            next=self.global_rank(s + 1, j) if s < self.pp - 1 else None,
+            first=self.global_rank(0, j),
+            last=self.global_rank(self.pp - 1, j),
+        )
+
+    @classmethod
+    def create(cls, tp: int, pp: int) -> Mesh:
+        """This rank's mesh; every rank of the default group must call it (each group is
+        created collectively, in the same order everywhere)."""
+        world, rank = dist.get_world_size(), dist.get_rank()
+        if tp < 1 or pp < 1 or tp * pp != world:
+            raise ValueError(f"tp={tp} x pp={pp} does not match the {world} ranks")
+        tp_group = pp_group = None
+        for s in range(pp):
+            ranks = [s * tp + j for j in range(tp)]
+            group = dist.new_group(ranks) if tp > 1 else None
+            if rank in ranks:
+                tp_group = group
+        for j in range(tp):
+            ranks = [s * tp + j for s in range(pp)]
+            group = dist.new_group(ranks) if pp > 1 else None
+            if rank in ranks:
+                pp_group = group
+        return cls(tp, pp, rank, tp_group, pp_group)
+
+
+def rank_generate(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    mesh: Mesh,
+    split: Sequence[int] | None = None,
+    microbatches: int = 1,
+    device: torch.device | None = None,
+) -> GenerationOutput:
+    """This rank's part of greedy generation: keep its stage and shard of ``model`` (the
+    full model, consumed), move them to ``device`` (None: where the model is), decode.
+    ``split``: layers per stage (default: even)."""
+    n = model.cfg.n_layers
+    ranges = split_stages(n, split if split is not None else even_split(n, mesh.pp))
+    if len(ranges) != mesh.pp:
+        raise ValueError(f"split {list(split or [])} has {len(ranges)} stages, pp is {mesh.pp}")
+    first, last = mesh.stage == 0, mesh.stage == mesh.pp - 1
+    with torch.no_grad():
+        stage = Stage(model, ranges[mesh.stage], first, last)
+        if mesh.tp > 1:
+            shard_tensor_parallel(stage.model, mesh.tp_rank, mesh.tp, mesh.tp_group)
+        if device is not None:
+            stage.to(device)  # only this rank's shard travels
+        progress()
+        return pipeline_generate(stage, prompt, max_new_tokens, mesh.pipe_ranks(), microbatches)
+
+
+def as_batch(prompt_ids: Tensor | Sequence[int]) -> Tensor:
+    """Prompt token ids as a (B, T) int64 tensor (a 1-D prompt is one sequence)."""
+    ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.numel() == 0:
+        raise ValueError(f"prompt_ids must be (T,) or (B, T) and non-empty, got {tuple(ids.shape)}")
+    return ids
+
+
+def _rank_main(
+    rank: int, world: int, model_factory: ModelFactory, prompt: Tensor, max_new_tokens: int,
+    tp: int, pp: int, split: Sequence[int] | None, microbatches: int,
+) -> GenerationOutput:  # fmt: skip
+    mesh = Mesh.create(tp, pp)
+    model = model_factory()
+    progress()
+    # NCCL moves CUDA tensors only: each rank runs on the GPU launch() bound it to.
+    cuda = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
+    return rank_generate(model, prompt, max_new_tokens, mesh, split, microbatches, device)
+
+
+def run_parallel(
+    model_factory: ModelFactory,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    tp: int = 1,
+    pp: int = 1,
+    split: Sequence[int] | None = None,
+    microbatches: int = 1,
+    timeout_s: float = 60.0,
+    backend: str = "gloo",
+) -> GenerationOutput:
+    """Greedy decoding on ``tp * pp`` ranks started by ``launch``; the tokens (B, T + new)
+    and the new tokens' logits (B, new, V) as the last stage's first rank saw them.
+    ``timeout_s``: longest stretch without progress (loading, or one decode step)."""
+    prompt = as_batch(prompt_ids)
+    args = (model_factory, prompt, max_new_tokens, tp, pp, split, microbatches)
+    results = launch(_rank_main, tp * pp, args, timeout_s=timeout_s, backend=backend)
+    return results[(pp - 1) * tp]
+
+
+def generate_parallel(
+    model_factory: ModelFactory,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    tp: int = 1,
+    pp: int = 1,
+    split: Sequence[int] | None = None,
+    microbatches: int = 1,
+    timeout_s: float = 60.0,
+    backend: str = "gloo",
+) -> Tensor:
+    """Greedy tokens (B, T + max_new_tokens), prompt included, from ``tp * pp`` ranks
+    (``backend="nccl"``: one GPU per rank)."""
+    out = run_parallel(
+        model_factory,
+        prompt_ids,
+        max_new_tokens,
+        tp,
+        pp,
+        split,
+        microbatches,
+        timeout_s,
+        backend,
+    )
+    if out.tokens is None:
+        raise RuntimeError("the last pipeline stage returned no tokens")
+    return out.tokens
