@@ -59,7 +59,8 @@ def rope_tables(
     base: float, scale: float, head_dim: int, positions: Tensor
 ) -> tuple[Tensor, Tensor]:
     """cos and sin (T, D) for integer ``positions`` (T,), computed in fp32."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    steps = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+    inv_freq = base ** (-steps / head_dim)
     angles = positions.float()[:, None] / scale * inv_freq[None, :]  # (T, D/2)
     angles = torch.cat((angles, angles), dim=-1)  # (T, D)
     return angles.cos(), angles.sin()

@@ -19,8 +19,9 @@ tensor-parallel group after its all-reduce), see ``kiln.parallel.mesh``.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -135,6 +136,7 @@ class GenerationOutput:
 
     tokens: Tensor | None
     logits: Tensor | None
+    step_end_s: list[float] = field(default_factory=list)  # last stage: when each token was known
 
 
 def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
@@ -165,6 +167,8 @@ def pipeline_generate(
     vocab = stage.model.cfg.vocab_size
     logits = torch.zeros(b, max_new_tokens, vocab, device=device) if stage.last else None
     pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
+    ends: list[float] = []
+    t_start = time.perf_counter()
     for step in range(max_new_tokens):
         start, length = (0, t0) if step == 0 else (t0 + step - 1, 1)
         sent: list[tuple[dist.Work, Tensor]] = []
@@ -198,6 +202,7 @@ def pipeline_generate(
         for work, _ in pending:
             work.wait()  # the previous step's sends: long received by now
         pending = sent
+        ends.append(time.perf_counter() - t_start)
         progress()
     if stage.first and not stage.last:  # the last step's tokens come back too
         for b0, b1 in mbs:
@@ -208,7 +213,8 @@ def pipeline_generate(
         work.wait()
     if not (stage.first or stage.last):
         return GenerationOutput(None, None)
-    return GenerationOutput(torch.cat((prompt, new_tokens), dim=1), logits)
+    times = ends if stage.last else []
+    return GenerationOutput(torch.cat((prompt, new_tokens), dim=1), logits, times)
 
 
 def _isend(tensor: Tensor, dst: int) -> dist.Work:
