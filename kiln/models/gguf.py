@@ -1,0 +1,207 @@
+"""GGUF files (llama.cpp's format) read through the ``gguf`` package's ``GGUFReader``.
+
+Metadata -> ``ModelConfig`` for the ``llama`` architecture (``llama.*`` keys; Mistral and
+SmolLM-style models are written as ``llama`` too); other architectures raise ``ConfigError``
+naming them. Tensors are views of the memory-mapped file (copy-on-write, so torch can wrap
+them without a copy):
+
+* F32 / F16: taken as they are (converted to the requested dtype by the loader).
+* Q4_1 and Q4_0 linear weights, with ``packed=True``: kept 4-bit as kiln's ``Int4Linear``
+  (group 32, asymmetric). A Q4_1 block is fp16 ``d``, fp16 ``m`` and 16 bytes whose byte j
+  holds element j (low nibble) and element j + 16 (high nibble), ``w = d * q + m``; Q4_0
+  has no ``m`` and ``w = d * (q - 8)``, i.e. scale ``d`` and offset ``-8 d``. The nibbles
+  are re-paired into kiln's layout (low nibble = even k); values are bit-identical.
+* Everything else (Q8_0, K-quants, Q4 with ``packed=False``): dequantized to float32 by
+  ``gguf.quants.dequantize``.
+
+llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` within each head so its
+interleaved (GPT-J style) rotary works; kiln rotates halves (like transformers), so the
+permutation is undone here — per row, so packed rows are moved the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+from torch import Tensor
+
+from kiln.compress.modules import Int4Linear
+from kiln.models.config import ConfigError, ModelConfig
+from kiln.models.errors import LazyTensor, LoadError
+
+Q = gguf.GGMLQuantizationType
+ARCHITECTURES = ("llama",)
+_LAYER = {
+    "attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v",
+    "attn_output": "attn.o", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate",
+    "ffn_up": "mlp.up", "ffn_down": "mlp.down",
+}  # fmt: skip
+_TOP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
+_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+_PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32
+
+
+def open_reader(path: Path) -> gguf.GGUFReader:
+    """Parse ``path``'s header and tensor table; a damaged or truncated file -> LoadError."""
+    try:
+        reader = gguf.GGUFReader(path, "c")
+    except (ValueError, IndexError, OverflowError) as err:
+        raise LoadError(f"{path}: unreadable or truncated GGUF file ({err})") from err
+    size = path.stat().st_size
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size:
+            raise LoadError(f"{path}: truncated, tensor {t.name} ends past the file's {size} bytes")
+    return reader
+
+
+def _field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = ...) -> Any:
+    """Metadata value ``key``; a missing required key raises ``ConfigError`` naming it."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is ...:
+            raise ConfigError(f"{path}: metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
+    """``ModelConfig`` from the GGUF metadata (``general.architecture`` must be llama)."""
+    arch = _field(reader, path, "general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ConfigError(
+            f"{path}: GGUF architecture {arch!r} is not supported (kiln reads {ARCHITECTURES})"
+        )
+
+    def key(name: str, default: Any = ...) -> Any:
+        return _field(reader, path, f"{arch}.{name}", default)
+
+    if key("expert_count", 0):
+        raise ConfigError(
+            f"{path}: mixture-of-experts ({key('expert_count')} experts) is not supported"
+        )
+    hidden, heads = key("embedding_length"), key("attention.head_count")
+    head_dim = key("attention.key_length", hidden // heads)
+    if key("rope.dimension_count", head_dim) != head_dim:
+        raise ConfigError(
+            f"{path}: partial rotary ({key('rope.dimension_count')} of {head_dim} dims)"
+        )
+    scaling = key("rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ConfigError(
+            f"{path}: rope scaling type {scaling!r} is not supported (kiln runs none and 'linear')"
+        )
+    names = {t.name for t in reader.tensors}
+    if "rope_freqs.weight" in names:
+        raise ConfigError(
+            f"{path}: per-frequency rope factors (rope_freqs, Llama 3 scaling) are not supported"
+        )
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    vocab = key("vocab_size", None) or (int(embed.shape[1]) if embed is not None else 0)
+    eos = _field(reader, path, "tokenizer.ggml.eos_token_id", None)
+    return ModelConfig(
+        family="llama", vocab_size=vocab, hidden_size=hidden, n_layers=key("block_count"),
+        n_heads=heads, n_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
+        intermediate_size=key("feed_forward_length"), max_positions=key("context_length"),
+        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
+        rope_theta=key("rope.freq_base", 10000.0),
+        rope_scale=key("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
+        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
+        tie_embeddings="output.weight" not in names,
+        bos_token_id=_field(reader, path, "tokenizer.ggml.bos_token_id", None),
+        eos_token_ids=() if eos is None else (eos,),
+    )  # fmt: skip
+
+
+def kiln_name(name: str) -> str | None:
+    """kiln's parameter name for the GGUF tensor ``name`` (None: nothing matches)."""
+    parts = name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
+        return f"layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{parts[1]}"
+    return None
+
+
+def unpermute_rows(x: Tensor, heads: int) -> Tensor:
+    """Undo llama.cpp's q/k row order: within each head, rows (j, i) -> (i, j) for the
+    half i in {0, 1} and the pair j. x (N, ...) with N = heads * head_dim."""
+    n = x.shape[0]
+    return x.reshape(heads, n // heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+def q4_to_int4(data: np.ndarray, kind: Q, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Q4_0 / Q4_1 blocks (N, K/32 * block bytes) -> kiln INT4 (packed (N, K/2) uint8,
+    scale and offset (N, K/32) fp16) with identical dequantized values.
+
+    Done in numpy: single-threaded, it is not slowed by OpenMP spinning on a busy machine
+    (torch's uint8 ops were ~40x slower there) and it is memory-bound either way."""
+    raw = np.asarray(data).reshape(n, k // 32, _PACKABLE[kind])
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0]  # (N, G)
+    if kind == Q.Q4_1:
+        offset, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:]
+    else:
+        offset, qs = d * np.float16(-8.0), raw[..., 2:]  # exact in fp16 (times a power of 2)
+    q = np.concatenate((qs & 0xF, qs >> 4), axis=-1)  # (N, G, 32): elements 0..15, 16..31
+    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(n, k // 2)  # low nibble = even k
+    return torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(offset)
+
+
+def _float(t: Any) -> Tensor:
+    """A GGUF tensor as a float torch tensor in kiln's (rows, cols) order."""
+    shape = tuple(int(s) for s in reversed(t.shape))
+    if t.tensor_type in (Q.F32, Q.F16):
+        return torch.from_numpy(t.data).reshape(shape)
+    try:
+        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # plain ndarray: fast
+    except NotImplementedError as err:
+        raise LoadError(f"tensor {t.name}: cannot dequantize {t.tensor_type.name} ({err})") from err
+    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(shape)
+
+
+def _lazy(t: Any, cfg: ModelConfig, packed: bool) -> Callable[[], Tensor | Int4Linear]:
+    """How to read tensor ``t``: packed INT4 layer, or float; q/k weights and biases get
+    their rows reordered (the converter permutes both)."""
+    part = t.name.split(".")[-2]
+    shape = tuple(int(s) for s in reversed(t.shape))  # (N,) or (N, K)
+    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(part)
+    if heads is not None and shape[0] != heads * cfg.head_dim:
+        heads = None  # the shape check reports it; nothing to reorder
+    order: Callable[[Tensor], Tensor] = (
+        (lambda x: x) if heads is None else (lambda x: unpermute_rows(x, heads))
+    )
+    if packed and part in _LINEARS and t.tensor_type in _PACKABLE and len(shape) == 2:
+
+        def read_packed() -> Int4Linear:
+            q, scale, offset = (order(x) for x in q4_to_int4(t.data, t.tensor_type, *shape))
+            return Int4Linear(q, scale, offset, group_size=32, bias=None)
+
+        return read_packed
+    return lambda: order(_float(t))
+
+
+def read_tensors(
+    reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, packed: bool
+) -> dict[str, LazyTensor]:
+    """Every tensor of the file under kiln's names, not read yet."""
+    out: dict[str, LazyTensor] = {}
+    for t in reader.tensors:
+        target = kiln_name(t.name)
+        if target is None:
+            raise LoadError(
+                f"{path}: unexpected tensor {t.name!r} (no llama parameter of kiln's model matches it)"
+            )
+        shape = tuple(int(s) for s in reversed(t.shape))
+        out[target] = LazyTensor(
+            f"{t.name} ({t.tensor_type.name}) in {path.name}", shape, _lazy(t, cfg, packed)
+        )
+    return out
+
+
+def has_tokenizer(reader: gguf.GGUFReader) -> bool:
+    """True when the file carries a tokenizer (``tokenizer.ggml.*`` metadata)."""
+    return "tokenizer.ggml.model" in reader.fields
