@@ -28,18 +28,13 @@ repacked kernel) override ``nn.Module._apply``; they get an identity ``_apply`` 
 notification ``.to()`` gives them — whenever their tensors are bound or unbound, so no
 derived copy outlives the block's forward (it is rebuilt every forward: a cost of
 offloading compressed layers). ``HostKVCache`` keeps the KV cache in (pinned) host memory
-while attention runs on the device. ``measure_offload`` / ``main`` measure peak memory and
-tokens/s (``python -m kiln.parallel.offload --smollm2``).
+while attention runs on the device. ``benchmarks/offload.py`` measures peak memory and
+tokens/s on the real model.
 """
 
 from __future__ import annotations
 
-import argparse
 import functools
-import gc
-import json
-import re
-import tempfile
 import time
 import weakref
 from collections.abc import Sequence
@@ -50,7 +45,6 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from kiln.models.generate import EagerDecoder, generate
 from kiln.models.transformer import Transformer
 from kiln.parallel.offload_store import (
     BlockFile,
@@ -70,7 +64,7 @@ from kiln.parallel.offload_store import (
 )
 
 Tier = Literal["disk", "cpu"]
-__all__ = ["HostKVCache", "Offloaded", "measure_offload", "offload_", "smollm2_transformer"]
+__all__ = ["HostKVCache", "Offloaded", "offload_"]
 
 
 def _same(t: Tensor) -> Tensor:
@@ -289,110 +283,3 @@ def offload_(
         source = PinnedSource(host, dev)
     del states
     return Offloaded(model, specs, source, prefetch)
-
-
-# ------------------------------------------------------------------ measurement
-def _status_kib(key: str) -> int:
-    text = Path("/proc/self/status").read_text()
-    match = re.search(rf"^{key}:\s+(\d+) kB", text, re.MULTILINE)
-    if match is None:
-        raise RuntimeError(f"/proc/self/status has no {key} (not Linux?)")
-    return int(match.group(1))
-
-
-def _reset_peak_rss() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current VmRSS
-
-
-def measure_offload(
-    model: Transformer,
-    prompt: Tensor,
-    new_tokens: int,
-    store: Path,
-    prefetch: int = 1,
-    evict_page_cache: bool = False,
-) -> dict[str, Any]:
-    """Greedy generation resident, then offloaded to disk in this process: tokens/s of
-    each, and the peak resident-memory increase while generating offloaded (VmHWM reset
-    after offloading, minus VmRSS then). Run it in a fresh process for a clean figure."""
-    max_len = prompt.shape[1] + new_tokens
-    tensors = {t.data_ptr(): t for t in model.state_dict().values()}  # tied weights once
-    weights = sum(t.numel() * t.element_size() for t in tensors.values())
-    blocks = sum(
-        t.numel() * t.element_size() for b in model.layers for t in block_state(b).values()
-    )
-    generate(EagerDecoder(model, prompt.shape[0], max_len), prompt, 2)  # warm-up
-    resident = generate(EagerDecoder(model, prompt.shape[0], max_len), prompt, new_tokens)
-    handle = offload_(model, store, prefetch=prefetch, evict_page_cache=evict_page_cache)
-    gc.collect()
-    before = _status_kib("VmRSS")
-    _reset_peak_rss()
-    offloaded = generate(EagerDecoder(model, prompt.shape[0], max_len), prompt, new_tokens)
-    peak = _status_kib("VmHWM") - before
-    result = {
-        "model_bytes": weights,
-        "block_bytes": blocks,
-        "staging_bytes": handle.staging_bytes,
-        "peak_rss_increase_bytes": peak * 1024,
-        "same_tokens": bool(torch.equal(resident.tokens, offloaded.tokens)),
-        "resident_tokens_per_s": resident.tokens_per_s,
-        "offloaded_tokens_per_s": offloaded.tokens_per_s,
-        "offloaded_wait_s": handle.wait_s,
-        "torch_threads": torch.get_num_threads(),
-    }
-    handle.close()
-    return result
-
-
-def smollm2_transformer() -> Transformer:
-    """SmolLM2-135M-Instruct (``catalog.load_smollm2``, fp32) as a kiln ``Transformer``."""
-    from kiln.models.catalog import load_smollm2
-    from kiln.models.config import ModelConfig
-
-    hf, _ = load_smollm2()
-    c = hf.config
-    theta = getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]
-    cfg = ModelConfig(
-        family="llama", vocab_size=c.vocab_size, hidden_size=c.hidden_size,
-        n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads,
-        n_kv_heads=c.num_key_value_heads, head_dim=c.head_dim,
-        intermediate_size=c.intermediate_size, max_positions=c.max_position_embeddings,
-        norm_eps=c.rms_norm_eps, rope_theta=theta, tie_embeddings=c.tie_word_embeddings,
-    )  # fmt: skip
-    renames = (
-        ("model.embed_tokens.", "embed."), ("model.layers.", "layers."), ("model.norm.", "final_norm."),
-        ("self_attn.", "attn."), ("_proj.", "."), ("input_layernorm.", "attn_norm."),
-        ("post_attention_layernorm.", "mlp_norm."),
-    )  # fmt: skip
-    state = {}
-    for name, t in hf.state_dict().items():
-        for old, new in renames:
-            name = name.replace(old, new)
-        state[name] = t
-    if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["embed.weight"]
-    model = Transformer(cfg).eval()
-    model.load_state_dict(state, strict=True)
-    return model
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Measure offloading on SmolLM2-135M (``--smollm2``): prints measure_offload's JSON."""
-    parser = argparse.ArgumentParser(description=main.__doc__)
-    parser.add_argument("--smollm2", action="store_true", required=True)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--prefetch", type=int, default=1)
-    parser.add_argument("--evict-page-cache", action="store_true")
-    args = parser.parse_args(argv)
-    model = smollm2_transformer()
-    gc.collect()
-    prompt = torch.tensor([[1, 504, 2260, 3162, 282, 253, 1782, 3484, 1386, 28]])
-    with tempfile.TemporaryDirectory(prefix="kiln-offload-") as tmp:
-        result = measure_offload(
-            model, prompt, args.new_tokens, Path(tmp), args.prefetch, args.evict_page_cache
-        )
-    print(json.dumps(result, indent=1))
-
-
-if __name__ == "__main__":
-    main()

@@ -163,7 +163,7 @@ import json, sys, tempfile, torch
 from pathlib import Path
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
-from kiln.parallel.offload import measure_offload
+from benchmarks.offload import measure_offload
 cfg = ModelConfig(family="llama", vocab_size=512, hidden_size=512, n_layers=12, n_heads=8,
                   n_kv_heads=8, head_dim=64, intermediate_size=2048, max_positions=64)
 torch.manual_seed(0)
