@@ -1,0 +1,382 @@
+// decode.cpp — one whole transformer decode step (all layers, final norm, head) in one call.
+//
+// decode.py builds the extension (plain g++, no torch headers) and encodes the model as a
+// flat int64 "descriptor" (layout in decode_desc.h; floats stored as their double bits,
+// tensors as data pointers that the Python side keeps alive). A step reads it, then for B
+// sequences at one position: embedding lookup, per layer norm -> q/k/v projections ->
+// (q/k norms) -> rotary (precomputed cos/sin rows) -> in-place KV-cache write ->
+// grouped-query attention over the filled prefix (sliding window, soft-cap) -> o projection
+// -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
+// head, soft-cap.
+// Linear layers: fp32 through decode_gemv.h, INT8 / INT4 weight-only through woq.cpp's
+// kernels (included here: one copy of them). Pointwise math uses kiln_vec.h. Threads: one
+// OpenMP region per step on torch's libgomp (the one thread pool), synchronised by work
+// counting (decode_team.h): projections (q/k/v together, gate/up together), attention and
+// the head are split across threads; norms and pointwise steps (a few thousand floats)
+// run on thread 0.
+#include "woq.cpp"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_block, group_sums
+
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <exception>
+#include <string>
+
+#include "decode_desc.h"
+#include "decode_gemv.h"
+#include "decode_ops.h"
+#include "decode_team.h"
+
+namespace kdec {
+
+// Blocks [b0, b1) of kBlockPanels panels of a woq layer: the body of woq.cpp's drive().
+template <template <int, int> class B, class Args>
+void woq_blocks(const Args& a, int64_t b0, int64_t b1) {
+  const int64_t panels = (a.N + wv::W - 1) / wv::W;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first = b * kBlockPanels, end = std::min(panels, first + kBlockPanels);
+    for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
+      const int m = static_cast<int>(std::min<int64_t>(8, a.M - r0));
+      const int p = B<1, 1>::panels(m);
+      int64_t p0 = first;
+      for (; p0 + p <= end; p0 += p) run_block<B>(m, p, a, p0, r0);
+      for (; p0 < end; ++p0) run_block<B>(m, 1, a, p0, r0);
+    }
+  }
+}
+
+// One linear layer, y (M, N) = x (M, K) @ W.T, prepared as a Task of items (each a run of
+// blocks: 16 output rows for fp32, kBlockPanels panels for INT8 / INT4).
+struct LinearJob {
+  Lin l;
+  int64_t M;
+  float* y;
+  Fp32Args f{};
+  Int8Args i8{};
+  Int4Args i4{};
+  std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1), INT4 group sums
+  int64_t blocks = 0, per_item = 1, items = 0;
+
+  LinearJob(const Lin& lin, const float* x, int64_t rows, float* out, int threads)
+      : l(lin), M(rows), y(out) {
+    if (l.kind != 0 && M > 1) {  // woq kernels read rows interleaved (see woq.cpp drive)
+      xt = interleave_rows(x, M, l.K);
+    }
+    const float* xk = xt.empty() ? x : xt.data();
+    if (l.kind == 0) {
+      f = Fp32Args{x, M, l.K, l.N, static_cast<const float*>(l.w), l.bias, y};
+      blocks = (l.N + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock;
+    } else {
+      blocks = ((l.N + wv::W - 1) / wv::W + kBlockPanels - 1) / kBlockPanels;
+      if (l.kind == 1) {
+        i8 = Int8Args{xk, M, l.K, l.N, static_cast<const int8_t*>(l.w), l.scale, y};
+      } else {
+        xsum = group_sums(x, M, l.K, l.g);
+        i4 = Int4Args{xk, M, l.K, l.N, l.g, static_cast<const uint8_t*>(l.w), y, xsum.data()};
+      }
+    }
+    const int64_t n = split_items(blocks, threads);
+    per_item = (blocks + n - 1) / n;
+    items = (blocks + per_item - 1) / per_item;
+  }
+
+  // Item i: blocks [b0, b1), into y or (a helper) into scratch (M, N) at the same places.
+  static void run(const void* ctx, int64_t i, float* scratch) {
+    const LinearJob& j = *static_cast<const LinearJob*>(ctx);
+    const int64_t b0 = i * j.per_item, b1 = std::min(j.blocks, b0 + j.per_item);
+    if (j.l.kind == 0) {
+      Fp32Args a = j.f;
+      if (scratch) a.y = scratch;
+      gemv_fp32(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
+    } else if (j.l.kind == 1) {
+      Int8Args a = j.i8;
+      if (scratch) a.y = scratch;
+      woq_blocks<Int8Block>(a, b0, b1);
+    } else {
+      Int4Args a = j.i4;
+      if (scratch) a.y = scratch;
+      woq_blocks<Int4Block>(a, b0, b1);
+    }
+  }
+
+  // Copies item i's output columns from a helper's scratch to y.
+  static void commit(const void* ctx, int64_t i, const float* scratch) {
+    const LinearJob& j = *static_cast<const LinearJob*>(ctx);
+    const int64_t unit = j.l.kind == 0 ? kGemvRowsPerBlock : kBlockPanels * wv::W;
+    const int64_t n0 = i * j.per_item * unit, n1 = std::min(j.l.N, (i + 1) * j.per_item * unit);
+    for (int64_t r = 0; r < j.M; ++r)
+      std::memcpy(j.y + r * j.l.N + n0, scratch + r * j.l.N + n0, sizeof(float) * (n1 - n0));
+  }
+
+  Task task() const { return Task{items, &LinearJob::run, &LinearJob::commit, this}; }
+
+  // The bias of the woq kinds (fp32 adds it in its kernel), once all items are done.
+  void finish() const {
+    if (l.kind == 0 || l.bias == nullptr) return;
+    for (int64_t r = 0; r < M; ++r)
+      for (int64_t n = 0; n < l.N; ++n) y[r * l.N + n] += l.bias[n];
+  }
+};
+
+// Grouped-query attention at position `pos`: one item per (sequence, query head).
+struct AttentionJob {
+  const Model* m;
+  const Layer* l;
+  const float* q;  // (B, H, D)
+  float* att;      // (B, H, D)
+  float* scores;   // (B, H, max_len)
+  int64_t pos, lo;
+
+  // Item it: scores and output in the workspace, or (a helper) in scratch (S + D floats).
+  static void run(const void* ctx, int64_t it, float* scratch) {
+    const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
+    const Model& m = *j.m;
+    const int64_t b = it / m.H, h = it % m.H;
+    const int64_t cache = ((b * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;  // (b, kv head, 0)
+    float* scores = scratch ? scratch : j.scores + it * m.S;
+    float* out = scratch ? scratch + m.S : j.att + it * m.D;
+    attend_head(m, j.q + it * m.D, j.l->kc + cache, j.l->vc + cache, j.lo, j.pos, scores, out);
+  }
+
+  static void commit(const void* ctx, int64_t it, const float* scratch) {
+    const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
+    std::memcpy(j.att + it * j.m->D, scratch + j.m->S, sizeof(float) * j.m->D);
+  }
+
+  Task task() const { return Task{m->B * m->H, &AttentionJob::run, &AttentionJob::commit, this}; }
+};
+
+// ------------------------------------------------------------------ the step
+// Jobs of one step: they outlive the region (a late helper may still read one).
+struct Jobs {
+  std::deque<LinearJob> linear;
+  std::deque<AttentionJob> attention;
+  int threads;
+};
+
+// Below this many bytes streamed, a step runs on one thread: waking a helper (and, at the
+// region's end, waiting for it to leave) costs more than it saves, even more so on a loaded
+// machine (~1 ms at 1 thread; a woken thread can wait that long for a core).
+constexpr int64_t kTeamMinBytes = 8 << 20;
+
+// Threads for a step streaming `bytes`: `requested` when > 0, else torch's (libgomp's)
+// thread count, or 1 for small work or when called from inside a parallel region.
+int team_threads(int64_t requested, int64_t bytes) {
+  if (requested > 0) return static_cast<int>(requested);
+  if (omp_in_parallel() || bytes < kTeamMinBytes) return 1;
+  return omp_get_max_threads();
+}
+
+int64_t weight_bytes(const Lin& l) {
+  if (l.kind < 0) return 0;
+  const int64_t n = l.N * l.K;
+  return l.kind == 0 ? 4 * n : (l.kind == 1 ? n : n / 2);
+}
+
+// Runs body(team, jobs) on thread 0 of one OpenMP region of `threads` threads
+// (decode_team.h); an exception on thread 0 ends the region and is rethrown here.
+template <class F>
+void in_team(int threads, int64_t max_phases, int64_t scratch_floats, F&& body) {
+  Team team(max_phases, threads, scratch_floats);
+  Jobs jobs{{}, {}, threads};
+  std::exception_ptr failure;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    if (omp_get_thread_num() == 0) {
+      try {
+        body(team, jobs);
+      } catch (...) {
+        failure = std::current_exception();
+      }
+      team.finish();
+    } else {
+      team.help(omp_get_thread_num());
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+}
+
+// Runs y = x @ W.T (+ bias) for up to 3 linear layers {lin, x, y} as one phase.
+struct LinearCall {
+  const Lin& l;
+  const float* x;
+  float* y;
+};
+void linears(Team& team, Jobs& jobs, int64_t M, std::initializer_list<LinearCall> calls) {
+  Task tasks[3];
+  size_t n = 0;
+  for (const LinearCall& c : calls) {
+    jobs.linear.emplace_back(c.l, c.x, M, c.y, jobs.threads);
+    tasks[n++] = jobs.linear.back().task();
+  }
+  team.run({tasks[0], tasks[1], tasks[2]});
+  for (size_t i = 0; i < n; ++i) jobs.linear[jobs.linear.size() - n + i].finish();
+}
+
+void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, int64_t pos,
+                float* ws) {
+  const int64_t B = m.B, C = m.C, QD = m.H * m.D, KD = m.Hkv * m.D;
+  float *x = ws, *h = x + B * C, *t = h + B * C, *q = t + B * C, *att = q + B * QD;
+  float *k = att + B * QD, *v = k + B * KD, *g = v + B * KD, *u = g + B * m.F;
+  float* scores = u + B * m.F;
+  norm_rows(m, l.attn_norm, x, h, B, C);
+  linears(team, jobs, B, {{l.q, h, q}, {l.k, h, k}, {l.v, h, v}});
+  if (l.q_norm.w) norm_rows(m, l.q_norm, q, q, B * m.H, m.D);
+  if (l.k_norm.w) norm_rows(m, l.k_norm, k, k, B * m.Hkv, m.D);
+  if (l.cos) {
+    rotate(q, B * m.H, m.D, l.cos + pos * m.D, l.sin + pos * m.D);
+    rotate(k, B * m.Hkv, m.D, l.cos + pos * m.D, l.sin + pos * m.D);
+  }
+  for (int64_t bh = 0; bh < B * m.Hkv; ++bh) {  // cache (B, Hkv, S, D) at slot pos
+    std::memcpy(l.kc + (bh * m.S + pos) * m.D, k + bh * m.D, sizeof(float) * m.D);
+    std::memcpy(l.vc + (bh * m.S + pos) * m.D, v + bh * m.D, sizeof(float) * m.D);
+  }
+  const int64_t lo = l.window > 0 ? std::max<int64_t>(0, pos - l.window + 1) : 0;
+  jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, pos, lo});
+  team.run({jobs.attention.back().task()});
+  linears(team, jobs, B, {{l.o, att, t}});
+  if (l.post_attn.w) norm_rows(m, l.post_attn, t, t, B, C);
+  for (int64_t i = 0; i < B * C; ++i) x[i] += t[i];
+  norm_rows(m, l.mlp_norm, x, h, B, C);
+  if (l.gate.kind >= 0) {
+    linears(team, jobs, B, {{l.gate, h, g}, {l.up, h, u}});
+    activate(m, g, u, B * m.F);
+  } else {
+    linears(team, jobs, B, {{l.up, h, g}});
+    activate(m, g, nullptr, B * m.F);
+  }
+  linears(team, jobs, B, {{l.down, g, t}});
+  if (l.post_mlp.w) norm_rows(m, l.post_mlp, t, t, B, C);
+  for (int64_t i = 0; i < B * C; ++i) x[i] += t[i];
+}
+
+// Phases one layer runs (q/k/v, attention, o, gate/up, down); the head is one more.
+constexpr int64_t kPhasesPerLayer = 5;
+
+// One decode step on `threads` threads (0: automatic, see team_threads).
+std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, float* logits,
+                 float* ws, int64_t ws_floats, int64_t threads) {
+  Reader r{desc};
+  Model m{};
+  std::string err = read_model(r, m);
+  if (!err.empty()) return err;
+  std::vector<Layer> layers(static_cast<size_t>(m.L));
+  for (int64_t li = 0; li < m.L; ++li) {
+    err = read_layer(r, layers[li]);
+    if (!err.empty()) return "layer " + std::to_string(li) + ": " + err;
+  }
+  if (pos < 0 || pos >= m.S)
+    return "position " + std::to_string(pos) + " is outside the cache's " +
+           std::to_string(m.S) + " slots";
+  if (ws_floats < workspace_floats(m)) return "workspace is too small for this descriptor";
+  for (int64_t b = 0; b < m.B; ++b)
+    if (tokens[b] < 0 || tokens[b] >= m.Vocab)
+      return "token " + std::to_string(tokens[b]) + " is outside the vocabulary of " +
+             std::to_string(m.Vocab);
+  const int64_t B = m.B, C = m.C;
+  float *x = ws, *h = x + B * C;
+  for (int64_t b = 0; b < B; ++b) {
+    const float* e = m.embed + tokens[b] * C;
+    const float* pe = m.pos_embed ? m.pos_embed + (pos + m.learned_offset) * C : nullptr;
+    for (int64_t i = 0; i < C; ++i) {
+      float xi = m.embed_scale != 1.0f ? e[i] * m.embed_scale : e[i];
+      x[b * C + i] = pe ? xi + pe[i] : xi;
+    }
+  }
+  // A helper's scratch: one linear layer's (B, N) output, or one head's scores + output.
+  const int64_t widest = std::max({m.Vocab, m.F, m.H * m.D, m.C});
+  int64_t bytes = weight_bytes(m.head) + 2 * 4 * B * m.Hkv * (pos + 1) * m.D * m.L;  // + KV
+  for (const Layer& l : layers)
+    for (const Lin* lin : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down})
+      bytes += weight_bytes(*lin);
+  const int nt = team_threads(threads, bytes);
+  const int64_t scratch = std::max(B * widest, m.S + m.D);
+  in_team(nt, kPhasesPerLayer * m.L + 1, scratch, [&](Team& t, Jobs& j) {
+    for (const Layer& l : layers) layer_step(t, j, m, l, pos, ws);
+    norm_rows(m, m.final_norm, x, h, B, C);
+    linears(t, j, B, {{m.head, h, logits}});
+  });
+  if (m.final_softcap > 0.0f)
+    for (int64_t i = 0; i < B * m.Vocab; ++i)
+      logits[i] = std::tanh(logits[i] / m.final_softcap) * m.final_softcap;
+  return "";
+}
+
+// ------------------------------------------------------------------ Python bindings
+// Runs f() (returning "" or an error) without the GIL; errors become Python exceptions.
+template <class F>
+PyObject* released(const char* what, F&& f) {
+  std::string err;
+  bool oom = false;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    err = f();
+  } catch (const std::bad_alloc&) {
+    oom = true;
+  } catch (const std::exception& e) {
+    err = std::string("internal error: ") + e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (oom) return PyErr_NoMemory();
+  if (!err.empty()) return PyErr_Format(PyExc_ValueError, "%s: %s", what, err.c_str());
+  Py_RETURN_NONE;
+}
+
+PyObject* py_workspace_floats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[1];
+  if (!read_ints(args, nargs, 1, v, "workspace_floats")) return nullptr;
+  Reader r{reinterpret_cast<const int64_t*>(v[0])};
+  Model m{};
+  const std::string err = read_model(r, m);
+  if (!err.empty()) return PyErr_Format(PyExc_ValueError, "%s", err.c_str());
+  return PyLong_FromLongLong(workspace_floats(m));
+}
+
+// step(desc, tokens, pos, logits, workspace, workspace_floats, threads)
+PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[7];
+  if (!read_ints(args, nargs, 7, v, "step")) return nullptr;
+  return released("decode step", [&] {
+    return step(reinterpret_cast<const int64_t*>(v[0]), reinterpret_cast<const int64_t*>(v[1]),
+                v[2], reinterpret_cast<float*>(v[3]), reinterpret_cast<float*>(v[4]), v[5],
+                v[6]);
+  });
+}
+
+// linear(record, x, M, y, threads): one LIN record (7 int64) applied to M rows.
+PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[5];
+  if (!read_ints(args, nargs, 5, v, "linear")) return nullptr;
+  Reader r{reinterpret_cast<const int64_t*>(v[0])};
+  const Lin l = r.lin();
+  return released("linear", [&]() -> std::string {
+    if (l.kind < 0 || l.kind > 2) return "unknown kind " + std::to_string(l.kind);
+    const auto* x = reinterpret_cast<const float*>(v[1]);
+    auto* y = reinterpret_cast<float*>(v[3]);
+    const int nt = team_threads(v[4], weight_bytes(l));
+    in_team(nt, 1, v[2] * l.N, [&](Team& t, Jobs& j) { linears(t, j, v[2], {{l, x, y}}); });
+    return "";
+  });
+}
+
+PyObject* py_decode_lanes(PyObject*, PyObject*) { return PyLong_FromLong(wv::W); }
+
+#define KDEC_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
+PyMethodDef kDecodeMethods[] = {
+    {"step", KDEC_FASTCALL(py_step), METH_FASTCALL,
+     "step(desc, tokens, pos, logits, workspace, workspace_floats, threads): one step"},
+    {"workspace_floats", KDEC_FASTCALL(py_workspace_floats), METH_FASTCALL,
+     "workspace_floats(desc): scratch floats a step of this descriptor needs"},
+    {"linear", KDEC_FASTCALL(py_linear), METH_FASTCALL,
+     "linear(record, x, M, y, threads): y = x @ W.T + bias for one LIN record"},
+    {"lanes", py_decode_lanes, METH_NOARGS, "float lanes per vector (woq panel width)"},
+    {nullptr, nullptr, 0, nullptr}};
+
+PyModuleDef kDecodeModule = {PyModuleDef_HEAD_INIT, "kiln_decode_ext",
+                             "kiln's whole-model decode step", -1, kDecodeMethods,
+                             nullptr, nullptr, nullptr, nullptr};
+
+}  // namespace kdec
+
+PyMODINIT_FUNC PyInit_kiln_decode_ext() { return PyModule_Create(&kdec::kDecodeModule); }
+

@@ -1,0 +1,233 @@
+"""FastDecoder against the eager kiln Transformer on small random models.
+
+Each case prefills a prompt, then decodes 16 greedy steps two ways on separate caches:
+the eager model (the reference) and FastDecoder.step (one C++ call per step). Logits must
+match within 1e-4 of their largest magnitude (fp32; the C++ step sums in another order
+than torch) and the greedy tokens must be equal. Quantized models are compared against the
+same quantized model run eagerly (its own kiln weight-only kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kiln.compress import (
+    Int4WeightOnly,
+    Int8Linear,
+    Int8WeightOnly,
+    LowRank,
+    lowrank_,
+    quantize_,
+    sparsify_,
+)
+from kiln.compress.configs import SemiStructured24
+from kiln.models.config import ModelConfig
+from kiln.models.transformer import Transformer
+from kiln.runtime.decode import DecodeUnsupported, FastDecoder, quantize_head_
+from tests.helpers import assert_close_to_reference
+
+TOL = 1e-4  # relative to the largest |logit|: fp32 with a different summation order
+STEPS = 16
+
+LLAMA = ModelConfig(
+    family="llama", vocab_size=101, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    head_dim=16, intermediate_size=96, max_positions=256, rope_theta=10000.0,
+)  # fmt: skip
+CONFIGS = {
+    "llama_gqa": LLAMA,
+    # odd sizes: K tails of the fp32 kernel, more heads than kv heads x 3
+    "odd_qkv_bias": replace(
+        LLAMA,
+        hidden_size=44,
+        head_dim=10,
+        n_heads=6,
+        n_kv_heads=2,
+        intermediate_size=70,
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        tie_embeddings=False,
+    ),  # fmt: skip
+    "sliding_softcap_gelu": replace(
+        LLAMA,
+        family="gemma2",
+        n_layers=3,
+        sliding_windows=(5, None, 3),
+        attn_softcap=20.0,
+        final_softcap=15.0,
+        activation="gelu_tanh",
+        sandwich_norms=True,
+        norm_weight_offset=1.0,
+        embed_scale=8.0,
+        attn_scale=0.2,
+        rope_local_theta=500.0,
+        rope_scale=2.0,
+        qk_norm=True,
+    ),
+    "gpt2_layernorm": replace(
+        LLAMA,
+        family="gpt2",
+        norm="layer",
+        norm_bias=True,
+        positions="learned",
+        gated_mlp=False,
+        activation="gelu",
+        qkv_bias=True,
+        o_bias=True,
+        mlp_bias=True,
+        n_kv_heads=4,
+    ),
+    "opt_relu": replace(
+        LLAMA,
+        family="opt",
+        norm="layer",
+        norm_bias=True,
+        positions="learned",
+        learned_offset=2,
+        gated_mlp=False,
+        activation="relu",
+        tie_embeddings=False,
+    ),
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """The eager reference on one thread: its tiny ops each open an OpenMP region, and on a
+    loaded 2-core machine a 2-thread region can wait milliseconds for its second thread
+    (the C++ step's own threading is tested with explicit ``threads``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Random weights with non-trivial norms and biases (default init leaves them 1 / 0)."""
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(1.0 - cfg.norm_weight_offset + 0.3 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif "embed" in name:
+                p.copy_(torch.randn_like(p) / math.sqrt(cfg.hidden_size) * 4)
+    return model
+
+
+def check_decode(model: Transformer, batch: int, prompt_len: int = 5, tol: float = TOL) -> None:
+    """Prefill + STEPS greedy steps: FastDecoder vs the eager model on its own cache."""
+    torch.manual_seed(1)
+    max_len = prompt_len + STEPS
+    prompt = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len))
+    dec = FastDecoder(model, batch, max_len)
+    ref_cache = model.new_cache(batch, max_len)
+    with torch.no_grad():
+        expected = model(prompt, 0, ref_cache)
+        assert_close_to_reference(dec.prefill(prompt), expected)
+        tok = expected[:, -1].argmax(-1)
+        for pos in range(prompt_len, max_len):
+            ref = model(tok[:, None], pos, ref_cache)[:, 0]  # (B, V)
+            got = dec.step(tok, pos)
+            assert_close_to_reference(got, ref, rtol_to_max=tol)
+            assert torch.equal(got.argmax(-1), ref.argmax(-1)), f"greedy token differs at {pos}"
+            tok = ref.argmax(-1)
+    assert_close_to_reference(dec.cache.keys[0], ref_cache.keys[0], rtol_to_max=tol)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_fp32_matches_eager(name: str, batch: int) -> None:
+    check_decode(make_model(CONFIGS[name]), batch)
+
+
+def test_batch_8_and_window_wraps_prompt() -> None:
+    cfg = replace(LLAMA, sliding_windows=(4, 7))
+    check_decode(make_model(cfg), batch=8, prompt_len=9)
+
+
+@pytest.mark.parametrize(
+    "config", [Int8WeightOnly(), Int4WeightOnly(group_size=32)], ids=["int8", "int4-g32"]
+)
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2_layernorm"])
+def test_quantized_matches_eager(config: Int8WeightOnly | Int4WeightOnly, name: str) -> None:
+    cfg = replace(CONFIGS[name], intermediate_size=128)  # INT4 needs K % 32 == 0
+    model = make_model(cfg)
+    assert quantize_(model, config)
+    check_decode(model, batch=2)
+
+
+def test_quantized_untied_head() -> None:
+    model = make_model(LLAMA)
+    quantize_(model, Int4WeightOnly(group_size=32))
+    quantize_head_(model, Int8WeightOnly())
+    assert isinstance(model.lm_head, Int8Linear)  # untied: the embedding stays fp32
+    check_decode(model, batch=1)
+
+
+@pytest.mark.parametrize("quantized", [False, True])
+def test_threads_give_identical_steps(quantized: bool) -> None:
+    """Every output is computed whole by one thread (a helper's, or thread 0 taking an item
+    back): 2 and 3 threads give the 1-thread step bit for bit."""
+    model = make_model(replace(LLAMA, intermediate_size=128, n_layers=3))
+    if quantized:
+        quantize_(model, Int4WeightOnly(group_size=32))
+    prompt = torch.randint(0, LLAMA.vocab_size, (3, 4))
+    runs = []
+    for threads in (1, 2, 3):
+        dec = FastDecoder(model, 3, 24, threads=threads)
+        dec.prefill(prompt)
+        tok, out = prompt[:, -1], []
+        for pos in range(4, 24):
+            out.append(dec.step(tok, pos))
+            tok = out[-1].argmax(-1)
+        runs.append(torch.stack(out))
+    assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
+
+
+def test_fast_and_eager_steps_mix() -> None:
+    """The decoder's cache is the model's KVCache: an eager step can follow fast ones."""
+    model = make_model(LLAMA)
+    dec = FastDecoder(model, 1, 12)
+    ref_cache = model.new_cache(1, 12)
+    tokens = torch.randint(0, LLAMA.vocab_size, (1, 10))
+    with torch.no_grad():
+        expected = model(tokens, 0, ref_cache)
+        dec.prefill(tokens[:, :4])
+        for pos in range(4, 8):
+            dec.step(tokens[:, pos], pos)
+        got = dec.prefill(tokens[:, 8:], start=8)  # eager, on the cache the steps filled
+    assert_close_to_reference(got, expected[:, 8:], rtol_to_max=TOL)
+
+
+@pytest.mark.parametrize("kind", ["2:4", "lowrank", "bf16"])
+def test_unsupported_models_raise(kind: str) -> None:
+    model = make_model(LLAMA)
+    if kind == "2:4":
+        sparsify_(model, SemiStructured24())
+        match = "Sparse24Linear"
+    elif kind == "lowrank":
+        lowrank_(model, LowRank(rank=2))
+        match = "LowRankLinear"
+    else:
+        model = model.to(torch.bfloat16)
+        match = "bfloat16"
+    with pytest.raises(DecodeUnsupported, match=match):
+        FastDecoder(model, 1, 8)
+
+
+def test_bad_inputs_raise() -> None:
+    dec = FastDecoder(make_model(LLAMA), 2, 8)
+    with pytest.raises(ValueError, match="outside the cache"):
+        dec.step(torch.tensor([1, 2]), 8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        dec.step(torch.tensor([1, LLAMA.vocab_size]), 0)
+    with pytest.raises(ValueError, match=r"\(2,\)"):
+        dec.step(torch.tensor([1]), 0)
