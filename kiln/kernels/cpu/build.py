@@ -20,7 +20,9 @@ import importlib.util
 import os
 import subprocess
 import sys
+import sysconfig
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Literal, overload
@@ -211,4 +213,54 @@ def load_runtime() -> ModuleType:
         build_directory=str(build_dir),
         verbose=False,
     )
+    return module
+
+
+# ------------------------------------------------------------------ hand-written extensions
+def extension_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
+    """Cache key of a hand-written C++ extension (woq, decode): its sources, the flags,
+    compiler, CPU features, ISA and the torch and Python versions."""
+    h = hashlib.sha256()
+    for part in (
+        *(path.read_text() for path in sources),
+        " ".join(flags),
+        _compiler_version(compiler()),
+        " ".join(cpu_flags()),
+        isa(),
+        torch.__version__,
+        sys.version,
+        str(sysconfig.get_config_var("EXT_SUFFIX")),
+    ):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()
+
+
+def load_plain_extension(name: str, sources: Sequence[Path], flags: Sequence[str]) -> ModuleType:
+    """Compile ``sources[0]`` (a Python extension module ``kiln_<name>_ext`` written against
+    the CPython API only) once into the cache folder, keyed by ``extension_key``, and
+    import it. Raises KilnCompileError when the compiler fails, RuntimeError on a CPU
+    without AVX2+FMA. The .so appears by atomic rename, so concurrent builds are safe."""
+    isa()  # raises on a CPU without AVX2+FMA
+    out_dir = cache_dir() / name
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so_path = out_dir / f"kiln_{name}_{extension_key(sources, flags)[:24]}.so"
+    if not so_path.exists():
+        include = sysconfig.get_paths()["include"]
+        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
+            tmp_so = Path(tmp) / "ext.so"
+            here = sources[0].parent
+            cmd = [compiler(), *flags, f"-I{include}", f"-I{here}", str(sources[0])]
+            proc = subprocess.run([*cmd, "-o", str(tmp_so)], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise KilnCompileError(
+                    f"building kiln's {name} extension failed ({' '.join(cmd)}):\n"
+                    f"{proc.stderr.strip()}"
+                )
+            os.replace(tmp_so, so_path)
+    module_name = f"kiln_{name}_ext"
+    loader = importlib.machinery.ExtensionFileLoader(module_name, str(so_path))
+    spec = importlib.util.spec_from_file_location(module_name, so_path, loader=loader)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
     return module

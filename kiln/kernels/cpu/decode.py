@@ -18,15 +18,7 @@ such record alone (tests, measurements).
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
-import os
 import struct
-import subprocess
-import sys
-import sysconfig
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -67,57 +59,16 @@ LAYER_END = 0x6C61796572656E64  # decode.cpp kLayerEnd
 
 
 # ------------------------------------------------------------------ build
-@functools.cache
-def _compiler_version(cxx: str) -> str:
-    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.strip()
-
-
 def extension_key() -> str:
     """Cache key of the extension: everything that changes its binary or its ABI."""
-    h = hashlib.sha256()
-    for part in (
-        *((HERE / name).read_text() for name in SOURCES),
-        " ".join(FLAGS),
-        _compiler_version(build.compiler()),
-        " ".join(build.cpu_flags()),
-        build.isa(),
-        torch.__version__,
-        sys.version,
-        str(sysconfig.get_config_var("EXT_SUFFIX")),
-    ):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()
+    return build.extension_key([HERE / name for name in SOURCES], FLAGS)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
-    """The decode extension, compiled on first use (~10 s) and cached on disk.
-
-    Raises build.KilnCompileError when the compiler fails, RuntimeError on a CPU without
-    AVX2+FMA. The .so appears by atomic rename, so concurrent builds are safe.
-    """
-    build.isa()  # raises on a CPU without AVX2+FMA
-    out_dir = build.cache_dir() / "decode"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    so_path = out_dir / f"kiln_decode_{extension_key()[:24]}.so"
-    if not so_path.exists():
-        include = sysconfig.get_paths()["include"]
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-            tmp_so = Path(tmp) / "ext.so"
-            cmd = [build.compiler(), *FLAGS, f"-I{include}", f"-I{HERE}", str(HERE / SOURCES[0])]
-            proc = subprocess.run([*cmd, "-o", str(tmp_so)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise build.KilnCompileError(
-                    f"building kiln's decode extension failed ({' '.join(cmd)}):\n"
-                    f"{proc.stderr.strip()}"
-                )
-            os.replace(tmp_so, so_path)
-    loader = importlib.machinery.ExtensionFileLoader("kiln_decode_ext", str(so_path))
-    spec = importlib.util.spec_from_file_location("kiln_decode_ext", so_path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    """The decode extension, compiled on first use (~10 s) and cached on disk
+    (``build.load_plain_extension``)."""
+    return build.load_plain_extension("decode", [HERE / name for name in SOURCES], FLAGS)
 
 
 # ------------------------------------------------------------------ linear records

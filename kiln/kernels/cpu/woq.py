@@ -38,14 +38,6 @@ INT4 g64 7.3 / 12.9 at 256, 14.5 / 12.3 at 512 (INT4's dequantization is slow in
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
-import os
-import subprocess
-import sys
-import sysconfig
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -84,55 +76,16 @@ KILN_MAX_ROWS = 256
 
 
 # ------------------------------------------------------------------ build
-@functools.cache
-def _compiler_version(cxx: str) -> str:
-    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout.strip()
-
-
 def extension_key() -> str:
-    """Cache key of the C++ extension: everything that changes its binary or its ABI."""
-    h = hashlib.sha256()
-    for part in (
-        *((HERE / name).read_text() for name in SOURCES),
-        " ".join(FLAGS),
-        _compiler_version(build.compiler()),
-        " ".join(build.cpu_flags()),
-        sys.version,
-        str(sysconfig.get_config_var("EXT_SUFFIX")),
-    ):
-        h.update(part.encode() + b"\0")
-    return h.hexdigest()
+    """Cache key of the extension: everything that changes its binary or its ABI."""
+    return build.extension_key([HERE / name for name in SOURCES], FLAGS)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
-    """kiln's weight-only matmul extension, compiled on first use and cached on disk.
-
-    Raises build.KilnCompileError when the compiler fails (or RuntimeError when this CPU
-    lacks AVX2+FMA). The .so appears by atomic rename, so concurrent builds are safe.
-    """
-    build.isa()  # raises on a CPU without AVX2+FMA
-    out_dir = build.cache_dir() / "woq"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    so_path = out_dir / f"kiln_woq_{extension_key()[:24]}.so"
-    if not so_path.exists():
-        include = sysconfig.get_paths()["include"]
-        with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
-            tmp_so = Path(tmp) / "ext.so"
-            cmd = [build.compiler(), *FLAGS, f"-I{include}", f"-I{HERE}", str(HERE / SOURCES[0])]
-            proc = subprocess.run([*cmd, "-o", str(tmp_so)], capture_output=True, text=True)
-            if proc.returncode != 0:
-                raise build.KilnCompileError(
-                    f"building kiln's woq extension failed ({' '.join(cmd)}):\n"
-                    f"{proc.stderr.strip()}"
-                )
-            os.replace(tmp_so, so_path)
-    loader = importlib.machinery.ExtensionFileLoader("kiln_woq_ext", str(so_path))
-    spec = importlib.util.spec_from_file_location("kiln_woq_ext", so_path, loader=loader)
-    assert spec is not None
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    """kiln's weight-only matmul extension, compiled on first use and cached on disk
+    (``build.load_plain_extension``)."""
+    return build.load_plain_extension("woq", [HERE / name for name in SOURCES], FLAGS)
 
 
 # ------------------------------------------------------------------ repacking
