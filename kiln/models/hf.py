@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
@@ -339,13 +339,16 @@ def _reader(handle: Any, name: str, edit: Callable[[Tensor], Tensor]) -> Callabl
     return lambda: edit(handle.get_tensor(name))
 
 
-def read_tensors(folder: Path, cfg: ModelConfig) -> dict[str, LazyTensor]:
-    """Every weight of the checkpoint under kiln's names, not read yet (memory-mapped)."""
+def read_tensors(
+    folder: Path, cfg: ModelConfig, skip_modules: Collection[str] = ()
+) -> dict[str, LazyTensor]:
+    """Every weight of the checkpoint under kiln's names, not read yet (memory-mapped).
+    Tensors of ``skip_modules`` (compressed layers, read by ``compressed.py``) are left out."""
     out: dict[str, LazyTensor] = {}
     for path in _shards(folder):
         handle = _open(path)
         for name in handle.keys():  # noqa: SIM118 (a safe_open handle)
-            if _IGNORED.fullmatch(name):
+            if _IGNORED.fullmatch(name) or name.rpartition(".")[0] in skip_modules:
                 continue
             sl = handle.get_slice(name)
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()

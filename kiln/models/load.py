@@ -25,7 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.compress.modules import CompressedLinear
-from kiln.models import catalog, hf
+from kiln.models import catalog, compressed, hf
 from kiln.models import gguf as gguf_reader
 from kiln.models.config import ModelConfig
 from kiln.models.errors import LazyTensor, LoadError
@@ -67,7 +67,11 @@ def load_model(
     tokenizer = None
     if where.is_dir():
         cfg = hf.read_config(where)
-        model = build_model(cfg, hf.read_tensors(where, cfg), dtype, str(where))
+        if compressed.is_compressed(where):  # written by kiln compress
+            tensors = compressed.read_compressed_tensors(where, cfg)
+        else:
+            tensors = hf.read_tensors(where, cfg)
+        model = build_model(cfg, tensors, dtype, str(where))
         if with_tokenizer and any((where / f).is_file() for f in _TOKENIZER_FILES):
             tokenizer = _auto_tokenizer(where)
     else:
@@ -130,7 +134,9 @@ def build_model(
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
     tensors = dict(tensors)
     if cfg.tie_embeddings:  # some tied checkpoints repeat the head; it is the embedding
-        tensors.pop("lm_head.weight", None)
+        head = tensors.pop("lm_head.weight", None)
+        if "embed.weight" not in tensors and head is not None:
+            tensors["embed.weight"] = head  # safetensors kept the shared tensor's other name
     _check(expected, tensors, where)
     # Weights before biases: a bias may belong to a layer just replaced by a packed one.
     for name in sorted(tensors, key=lambda n: n.endswith(".bias")):
