@@ -1,0 +1,124 @@
+"""kiln as a decode contender (see ``benchmarks.decode_peers``).
+
+Three variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
+``kiln-eager`` (the ``Transformer`` module op by op, fp32 dequantized weights), ``kiln-fast``
+(``kiln.runtime.decode.FastDecoder``, the same weights) and ``kiln-int4`` (``FastDecoder`` on
+the GGUF's Q4_1 weights kept packed, ``packed=True``). Both kiln modules are imported when a
+contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
+same way, so another decoder with those two methods plugs in through
+``KilnDecode``'s ``model`` argument or a factory of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import torch
+
+from benchmarks.decode_peers import THREADS, Generation, kv_position_bytes, state_bytes
+
+
+def timed_greedy(
+    prefill: Callable[[torch.Tensor], torch.Tensor],
+    step: Callable[[torch.Tensor, int], torch.Tensor],
+    prompt: Sequence[int],
+    n_new: int,
+    batch: int,
+) -> Generation:
+    """Greedy loop over a ``prefill(tokens (B, T)) -> logits (B, T, V)`` and a
+    ``step(tokens (B,), pos) -> logits (B, V)`` pair: TTFT = prefill + first argmax, decode = the
+    ``n_new - 1`` later steps (``benchmarks.decode_peers``'s definitions)."""
+    tokens = torch.tensor([list(prompt)] * batch, dtype=torch.long)  # (B, T)
+    out = torch.empty(batch, n_new, dtype=torch.long)  # (B, n_new)
+    pos = tokens.shape[1]
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        nxt = prefill(tokens)[:, -1].argmax(-1)  # (B,)
+        out[:, 0] = nxt
+        t1 = time.perf_counter()
+        for i in range(1, n_new):
+            nxt = step(nxt, pos).argmax(-1)  # (B,)
+            out[:, i] = nxt
+            pos += 1
+        t2 = time.perf_counter()
+    return Generation(t1 - t0, t2 - t1, t2 - t0, out.tolist())
+
+
+class _EagerSteps:
+    """A kiln ``Transformer`` run op by op with its own preallocated cache."""
+
+    def __init__(self, model: Any, batch: int, max_len: int) -> None:
+        self.model, self.cache = model, model.new_cache(batch, max_len)
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
+        out: torch.Tensor = self.model(tokens, 0, self.cache)
+        return out
+
+    def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:  # (B,) -> (B, V)
+        out: torch.Tensor = self.model(tokens[:, None], pos, self.cache)[:, 0]
+        return out
+
+
+Variant = Literal["eager", "fast", "int4"]
+
+
+class KilnDecode:
+    """kiln on SmolLM2: ``eager`` (the Transformer module, fp32 dequantized weights),
+    ``fast`` (``FastDecoder``, same weights) or ``int4`` (``FastDecoder`` on the GGUF's
+    packed 4-bit weights). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
+
+    def __init__(self, variant: Variant, model: Any = None) -> None:
+        self.variant, self.model = variant, model
+        self.decoders: dict[int, Any] = {}
+
+    def prepare(self, batches: Sequence[int], max_len: int) -> dict[str, Any]:
+        torch.set_num_threads(THREADS)
+        source = "given model"
+        if self.model is None:
+            from kiln.models.load import load_model
+
+            packed = self.variant == "int4"
+            loaded = load_model("smollm2", torch.float32, packed=packed, with_tokenizer=False)
+            self.model, source = loaded.model, str(loaded.source)
+        self.model.eval()
+        if self.variant == "eager":
+            self.decoders = {b: _EagerSteps(self.model, b, max_len) for b in batches}
+        else:
+            from kiln.runtime.decode import FastDecoder
+
+            self.decoders = {b: FastDecoder(self.model, b, max_len) for b in batches}
+        cfg = self.model.cfg
+        cache = getattr(self.decoders[batches[0]], "cache", None)
+        if cache is not None and hasattr(cache, "nbytes"):
+            kv = cache.nbytes() // (batches[0] * cache.max_len)
+            kv_note = "measured from the decoder's cache"
+        else:
+            kv = kv_position_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4)
+            kv_note = "assumed fp32 (the decoder exposes no cache)"
+        return {
+            "runtime": f"kiln {self.variant}, torch {torch.__version__}",
+            "source": source,
+            "dtype": "int4 packed" if self.variant == "int4" else "float32",
+            "threads": torch.get_num_threads(),
+            "weight_bytes": state_bytes(self.model),
+            "kv_bytes_per_position": kv,
+            "kv_note": kv_note,
+        }
+
+    def generate(self, prompt: Sequence[int], n_new: int, batch: int) -> Generation:
+        dec = self.decoders[batch]
+        return timed_greedy(dec.prefill, dec.step, prompt, n_new, batch)
+
+
+def kiln_eager() -> KilnDecode:
+    return KilnDecode("eager")
+
+
+def kiln_fast() -> KilnDecode:
+    return KilnDecode("fast")
+
+
+def kiln_int4() -> KilnDecode:
+    return KilnDecode("int4")
