@@ -3,7 +3,8 @@
 Three variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
 ``kiln-eager`` (the ``Transformer`` module op by op, fp32 dequantized weights), ``kiln-fast``
 (``kiln.runtime.decode.FastDecoder``, the same weights) and ``kiln-int4`` (``FastDecoder`` on
-the GGUF's Q4_1 weights kept packed, ``packed=True``). Both kiln modules are imported when a
+the GGUF's Q4_1 weights kept packed, ``packed=True``, and the head quantized to INT8 per
+channel as llama.cpp reads its Q8_0 table). Both kiln modules are imported when a
 contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through
 ``KilnDecode``'s ``model`` argument or a factory of its own.
@@ -46,21 +47,6 @@ def timed_greedy(
     return Generation(t1 - t0, t2 - t1, t2 - t0, out.tolist())
 
 
-class _EagerSteps:
-    """A kiln ``Transformer`` run op by op with its own preallocated cache."""
-
-    def __init__(self, model: Any, batch: int, max_len: int) -> None:
-        self.model, self.cache = model, model.new_cache(batch, max_len)
-
-    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, V)
-        out: torch.Tensor = self.model(tokens, 0, self.cache)
-        return out
-
-    def step(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:  # (B,) -> (B, V)
-        out: torch.Tensor = self.model(tokens[:, None], pos, self.cache)[:, 0]
-        return out
-
-
 Variant = Literal["eager", "fast", "int4"]
 
 
@@ -83,8 +69,15 @@ class KilnDecode:
             loaded = load_model("smollm2", torch.float32, packed=packed, with_tokenizer=False)
             self.model, source = loaded.model, str(loaded.source)
         self.model.eval()
+        if self.variant == "int4":  # INT8 head, as llama.cpp's Q8_0 table (113 MB fp32 else)
+            from kiln.compress.configs import Int8WeightOnly
+            from kiln.runtime.decode import quantize_head_
+
+            quantize_head_(self.model, Int8WeightOnly())
         if self.variant == "eager":
-            self.decoders = {b: _EagerSteps(self.model, b, max_len) for b in batches}
+            from kiln.models.generate import EagerDecoder
+
+            self.decoders = {b: EagerDecoder(self.model, b, max_len) for b in batches}
         else:
             from kiln.runtime.decode import FastDecoder
 
