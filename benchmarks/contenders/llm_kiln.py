@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 import torch
 
-from benchmarks.decode_peers import THREADS, Generation, kv_position_bytes, state_bytes
+from benchmarks.decode_peers import THREADS, Generation, kv_position_bytes
 
 
 def timed_greedy(
@@ -82,6 +82,8 @@ class KilnDecode:
             from kiln.runtime.decode import FastDecoder
 
             self.decoders = {b: FastDecoder(self.model, b, max_len) for b in batches}
+        from kiln.runtime.llm import weight_bytes_per_token
+
         cfg = self.model.cfg
         cache = getattr(self.decoders[batches[0]], "cache", None)
         if cache is not None and hasattr(cache, "nbytes"):
@@ -95,7 +97,9 @@ class KilnDecode:
             "source": source,
             "dtype": "int4 packed" if self.variant == "int4" else "float32",
             "threads": torch.get_num_threads(),
-            "weight_bytes": state_bytes(self.model),
+            # What one step reads: blocks, final norm and head. An untied fp32 embedding
+            # table (kiln-int4 reads an INT8 head instead) is looked up one row per token.
+            "weight_bytes": weight_bytes_per_token(self.model),
             "kv_bytes_per_position": kv,
             "kv_note": kv_note,
         }
