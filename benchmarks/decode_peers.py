@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
-import os
 import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, TYPE_CHECKING, Any, Protocol
+
+from benchmarks.channel import reply_channel, send
 
 if TYPE_CHECKING:
     import torch
@@ -208,19 +208,6 @@ def read_bandwidth_gbs(mbytes: int = 256, repeats: int = 5) -> float:
     return big.nbytes / best / 1e9
 
 
-def _reply_channel() -> IO[str]:
-    """A private copy of stdout for replies; fd 1 (library chatter) goes to stderr."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(fd, "w", buffering=1)
-
-
-def _send(chan: IO[str], msg: dict[str, Any]) -> None:
-    chan.write(json.dumps(msg) + "\n")
-    chan.flush()
-
-
 def _error(e: BaseException) -> dict[str, Any]:
     traceback.print_exc()
     return {"error": f"{type(e).__name__}: {e}"[:2000]}
@@ -243,24 +230,24 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
                 if str(b) not in facts.get("unsupported", {}):
                     contender.generate(prompt, args.n_new, b)  # warm-up, not recorded
     except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error
-        _send(chan, _error(e))
+        send(chan, _error(e))
         return 1
-    _send(chan, {"ready": True, **facts})
+    send(chan, {"ready": True, **facts})
     for line in sys.stdin:
         cmd = line.split()
         try:
             if cmd[:1] == ["round"] and contender is None:
-                _send(chan, {"gbs": read_bandwidth_gbs(args.bandwidth_mb)})
+                send(chan, {"gbs": read_bandwidth_gbs(args.bandwidth_mb)})
             elif cmd[:1] == ["round"] and contender is not None:
                 gen = contender.generate(prompt, args.n_new, int(cmd[1]))
-                _send(chan, asdict(gen))
+                send(chan, asdict(gen))
             elif cmd[:1] == ["finish"]:
-                _send(chan, {"ok": True})
+                send(chan, {"ok": True})
                 return 0
             else:
-                _send(chan, {"error": f"unknown command {line.strip()!r}"})
+                send(chan, {"error": f"unknown command {line.strip()!r}"})
         except Exception as e:  # noqa: BLE001
-            _send(chan, _error(e))
+            send(chan, _error(e))
     return 0
 
 
@@ -272,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batches", default="1")
     p.add_argument("--bandwidth-mb", type=int, default=256)
     args = p.parse_args(argv)
-    return serve(args, _reply_channel())
+    return serve(args, reply_channel())
 
 
 if __name__ == "__main__":

@@ -17,34 +17,20 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
+from benchmarks.channel import reply_channel, send
 from benchmarks.contenders import Contender, canonical, load
 from benchmarks.models import get
 
 THREADS = 2
-
-
-def _reply_channel() -> IO[str]:
-    """Keep a private copy of stdout for replies and point fd 1 at stderr."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(fd, "w", buffering=1)
-
-
-def _send(chan: IO[str], msg: dict[str, Any]) -> None:
-    chan.write(json.dumps(msg) + "\n")
-    chan.flush()
 
 
 def warm_up(c: Contender, seconds: float, rep_s: float) -> tuple[int, float, int]:
@@ -92,14 +78,14 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
         facts = contender.prepare(model, inputs, workdir)
         compile_s = time.perf_counter() - t0
         if args.compile_only:
-            _send(chan, {"ready": True, "compile_s": compile_s, **facts})
+            send(chan, {"ready": True, "compile_s": compile_s, **facts})
             return 0
         inner, est, warm_calls = warm_up(contender, args.warmup_s, args.rep_ms * 1e-3)
     except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error
         traceback.print_exc()
-        _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+        send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
         return 1
-    _send(
+    send(
         chan,
         {
             "ready": True,
@@ -114,17 +100,17 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
         cmd = line.split()
         try:
             if cmd and cmd[0] == "round":
-                _send(chan, {"times_s": time_round(contender, int(cmd[1]), inner)})
+                send(chan, {"times_s": time_round(contender, int(cmd[1]), inner)})
             elif cmd and cmd[0] == "finish":
                 contender.run()
                 torch.save(contender.outputs(), workdir / f"{name}.pt")
-                _send(chan, {"ok": True})
+                send(chan, {"ok": True})
                 return 0
             else:
-                _send(chan, {"error": f"unknown command {line.strip()!r}"})
+                send(chan, {"error": f"unknown command {line.strip()!r}"})
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+            send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
     return 0
 
 
@@ -138,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rep-ms", type=float, default=2.0, help="target length of one repetition")
     p.add_argument("--compile-only", action="store_true", help="prepare, report, exit")
     args = p.parse_args(argv)
-    chan = _reply_channel()
+    chan = reply_channel()
     return serve(args, chan)
 
 

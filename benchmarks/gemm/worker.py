@@ -25,30 +25,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import math
-import os
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import IO, Any
 
+from benchmarks.channel import reply_channel, send
 from benchmarks.gemm.contenders import PREPARE, Prepared, export_onnx
 from benchmarks.gemm.shapes import case_from_name
-
-
-def _reply_channel() -> IO[str]:
-    """A private duplicate of stdout for replies; fd 1 then points at stderr."""
-    fd = os.dup(1)
-    os.dup2(2, 1)
-    sys.stdout = sys.stderr
-    return os.fdopen(fd, "w", buffering=1)
-
-
-def _send(chan: IO[str], msg: dict[str, Any]) -> None:
-    chan.write(json.dumps(msg, default=str) + "\n")
-    chan.flush()
 
 
 def warm(p: Prepared, seconds: float, min_calls: int) -> tuple[float, int]:
@@ -114,31 +100,31 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
     data, work = Path(args.data), Path(args.workdir)
     if args.export:
         cases = [case_from_name(n) for n in args.cases.split(",")]
-        _send(chan, {"ready": True, "cases": export_onnx(cases, data, work)})
+        send(chan, {"ready": True, "cases": export_onnx(cases, data, work)})
         return 0
     ready, facts = _prepare_all(args, data, work)
-    _send(chan, {"ready": True, "cases": facts})
+    send(chan, {"ready": True, "cases": facts})
     for line in sys.stdin:
         cmd = line.split()
         try:
             if len(cmd) == 3 and cmd[0] == "time":
                 times, inner = time_case(ready[cmd[1]], int(cmd[2]), args.rep_ms * 1e-3)
-                _send(chan, {"times_s": times, "inner": inner})
+                send(chan, {"times_s": times, "inner": inner})
             elif cmd == ["save"]:
                 import numpy as np
 
                 for name, p in ready.items():
                     (work / "out" / name).mkdir(parents=True, exist_ok=True)
                     np.save(work / "out" / name / f"{args.contender}.npy", p.output())
-                _send(chan, {"ok": True})
+                send(chan, {"ok": True})
             elif cmd == ["finish"]:
-                _send(chan, {"ok": True})
+                send(chan, {"ok": True})
                 return 0
             else:
-                _send(chan, {"error": f"unknown command {line.strip()!r}"})
+                send(chan, {"error": f"unknown command {line.strip()!r}"})
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+            send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
     return 0
 
 
@@ -154,12 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if not args.export and not args.contender:
         p.error("--contender is required unless --export")
-    chan = _reply_channel()
+    chan = reply_channel()
     try:
         return serve(args, chan)
     except Exception as e:  # noqa: BLE001 - report instead of dying silently
         traceback.print_exc()
-        _send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
+        send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
         return 1
 
 
