@@ -17,7 +17,8 @@ rows, which are not counted) plus the key/value cache the step attends over, on 
 ``prompt + n_new / 2`` positions per sequence. HF: unique parameter bytes (fp32); llama.cpp:
 the GGUF file's tensor bytes (Q4_1 / Q8_0 blocks as stored) and an f16 cache; kiln: its model's
 parameters and persistent buffers (packed INT4 included). Ratios are decode tokens/s over HF
-``generate`` and over llama.cpp at the same batch. The result goes to
+``generate`` (on the same weight dtype: ``hf-bf16`` for ``kiln-bf16``) and over llama.cpp at
+the same batch. The result goes to
 ``benchmarks/results/decode-<device-slug>-<yyyymmdd>.json`` with a markdown table beside it.
 """
 
@@ -116,11 +117,14 @@ def _leading_agreement(a: list[int], b: list[int]) -> int:
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Set ``vs_hf`` / ``vs_llamacpp`` (decode tokens/s over the peer's at the same batch)
+    """Set ``vs_hf`` / ``vs_llamacpp`` (decode tokens/s over the peer's at the same batch;
+    the HF peer of a ``-bf16`` contender is ``hf-bf16``, of the others fp32 ``hf``)
     and ``same_tokens_as_hf`` (leading tokens of sequence 0 equal to HF's) on each entry."""
     by_key = {(r["contender"], r["batch"]): r for r in results if "error" not in r}
     for r in results:
-        for peer, key in (("hf", "vs_hf"), ("llamacpp", "vs_llamacpp")):
+        bf16 = r["contender"].endswith("-bf16") and r["contender"] != "hf-bf16"
+        hf_peer = "hf-bf16" if bf16 else "hf"  # the same weight dtype (hf-bf16: over fp32)
+        for peer, key in ((hf_peer, "vs_hf"), ("llamacpp", "vs_llamacpp")):
             p = by_key.get((peer, r["batch"]))
             ok = p is not None and "error" not in r
             r[key] = r["decode_tokens_per_s"] / p["decode_tokens_per_s"] if ok and p else None

@@ -46,10 +46,12 @@ THREADS = 2
 
 CONTENDERS: dict[str, str] = {
     "hf": "benchmarks.contenders.llm_hf:HFGenerate",
+    "hf-bf16": "benchmarks.contenders.llm_hf:hf_bf16",
     "llamacpp": "benchmarks.decode_peers:LlamaCpp",
     "kiln-eager": "benchmarks.contenders.llm_kiln:kiln_eager",
     "kiln-fast": "benchmarks.contenders.llm_kiln:kiln_fast",
     "kiln-int4": "benchmarks.contenders.llm_kiln:kiln_int4",
+    "kiln-bf16": "benchmarks.contenders.llm_kiln:kiln_bf16",
 }
 
 

@@ -39,8 +39,10 @@ class HFGenerate:
     the generation config so that exactly ``n_new`` tokens come out.
     """
 
-    def __init__(self, loader: Callable[[], Any] | None = None) -> None:
-        self._loader = loader
+    def __init__(
+        self, loader: Callable[[], Any] | None = None, dtype: torch.dtype = torch.float32
+    ) -> None:
+        self._loader, self._dtype = loader, dtype
         self.model: Any = None
 
     def prepare(self, batches: Sequence[int], max_len: int) -> dict[str, Any]:
@@ -50,7 +52,7 @@ class HFGenerate:
         if self._loader is None:
             from kiln.models.catalog import load_smollm2
 
-            self.model = load_smollm2(torch.float32)[0]
+            self.model = load_smollm2(self._dtype)[0]
         else:
             self.model = self._loader()
         cfg = self.model.config
@@ -92,3 +94,8 @@ class HFGenerate:
             total_s=t_end - t_call,
             tokens=out[:, len(prompt) :].tolist(),
         )
+
+
+def hf_bf16() -> HFGenerate:
+    """HF ``generate`` on the same weights cast to bfloat16 (the peer of ``kiln-bf16``)."""
+    return HFGenerate(dtype=torch.bfloat16)

@@ -1,10 +1,11 @@
 """kiln as a decode contender (see ``benchmarks.decode_peers``).
 
-Three variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
+Four variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
 ``kiln-eager`` (the ``Transformer`` module op by op, fp32 dequantized weights), ``kiln-fast``
-(``kiln.runtime.decode.FastDecoder``, the same weights) and ``kiln-int4`` (``FastDecoder`` on
-the GGUF's Q4_1 weights kept packed, ``packed=True``, and the head quantized to INT8 per
-channel as llama.cpp reads its Q8_0 table). Both kiln modules are imported when a
+(``kiln.runtime.decode.FastDecoder``, the same weights), ``kiln-bf16`` (``FastDecoder`` on
+those weights cast to bfloat16: 16-bit weights and cache, fp32 math) and ``kiln-int4``
+(``FastDecoder`` on the GGUF's Q4_1 weights kept packed, ``packed=True``, and the head
+quantized to INT8 per channel as llama.cpp reads its Q8_0 table). Both kiln modules are imported when a
 contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through
 ``KilnDecode``'s ``model`` argument or a factory of its own.
@@ -47,13 +48,13 @@ def timed_greedy(
     return Generation(t1 - t0, t2 - t1, t2 - t0, out.tolist())
 
 
-Variant = Literal["eager", "fast", "int4"]
+Variant = Literal["eager", "fast", "int4", "bf16"]
 
 
 class KilnDecode:
     """kiln on SmolLM2: ``eager`` (the Transformer module, fp32 dequantized weights),
-    ``fast`` (``FastDecoder``, same weights) or ``int4`` (``FastDecoder`` on the GGUF's
-    packed 4-bit weights). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
+    ``fast`` (``FastDecoder``, same weights), ``bf16`` (``FastDecoder``, the weights in
+    bfloat16) or ``int4`` (``FastDecoder`` on the GGUF's packed 4-bit weights). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
 
     def __init__(self, variant: Variant, model: Any = None) -> None:
         self.variant, self.model = variant, model
@@ -66,7 +67,8 @@ class KilnDecode:
             from kiln.models.load import load_model
 
             packed = self.variant == "int4"
-            loaded = load_model("smollm2", torch.float32, packed=packed, with_tokenizer=False)
+            dtype = torch.bfloat16 if self.variant == "bf16" else torch.float32
+            loaded = load_model("smollm2", dtype, packed=packed, with_tokenizer=False)
             self.model, source = loaded.model, str(loaded.source)
         self.model.eval()
         if self.variant == "int4":  # INT8 head, as llama.cpp's Q8_0 table (113 MB fp32 else)
@@ -95,7 +97,7 @@ class KilnDecode:
         return {
             "runtime": f"kiln {self.variant}, torch {torch.__version__}",
             "source": source,
-            "dtype": "int4 packed" if self.variant == "int4" else "float32",
+            "dtype": {"int4": "int4 packed", "bf16": "bfloat16"}.get(self.variant, "float32"),
             "threads": torch.get_num_threads(),
             # What one step reads: blocks, final norm and head. An untied fp32 embedding
             # table (kiln-int4 reads an INT8 head instead) is looked up one row per token.
@@ -119,3 +121,7 @@ def kiln_fast() -> KilnDecode:
 
 def kiln_int4() -> KilnDecode:
     return KilnDecode("int4")
+
+
+def kiln_bf16() -> KilnDecode:
+    return KilnDecode("bf16")

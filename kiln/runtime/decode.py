@@ -5,7 +5,9 @@ ops per token, each a dispatch, an allocation and a tiny kernel. ``FastDecoder``
 kiln ``Transformer``'s weights once into a flat descriptor (``kiln.kernels.cpu.decode``) and
 runs every decode step — embedding, norms, projections, rotary, KV-cache write, attention,
 MLP, final norm and head — inside one call of ``decode.cpp``, whose linear layers stream
-each weight once (fp32 GEMV, or kiln's INT8 / INT4 weight-only kernels).
+each weight once (a GEMV over fp32, bf16 or fp16 weights, or kiln's INT8 / INT4 weight-only
+kernels). A bf16 / fp16 model stays 16-bit in memory (weights, embedding table, KV cache:
+half the bytes per step) and computes in fp32.
 
 Usage::
 
@@ -19,7 +21,7 @@ The prefill and every step share ``dec.cache`` (the model's own KVCache), so eag
 fast steps can be mixed. The decoder points at the model's tensors as they are when it is
 built: build it after the last change to the model (quantize_ etc.). One decoder runs one
 step at a time (its workspace is shared; the step releases the GIL). A model the C++ step cannot run exactly (a linear layer of
-another kind — 2:4 sparse, low-rank —, bf16/fp16 weights, a non-CPU device, shapes that
+another kind — 2:4 sparse, low-rank —, weights of another dtype, a non-CPU device, shapes that
 disagree with the config) raises ``DecodeUnsupported`` at construction, naming the reason:
 the caller then decodes with the eager model, never with silently different numbers.
 
@@ -42,9 +44,10 @@ from kiln.kernels.cpu import build
 from kiln.kernels.cpu.decode import (
     LAYER_END,
     LAYOUT_MAGIC,
+    STORAGE,
     Descriptor,
     LinearArgs,
-    fp32_args,
+    dense_args,
     int4_args,
     int8_args,
     load_extension,
@@ -60,11 +63,9 @@ class DecodeUnsupported(ValueError):
     """The C++ decode step cannot run this model exactly; decode with the eager model."""
 
 
-def _fp32_linear(mod: nn.Module) -> LinearArgs:
+def _dense_linear(mod: nn.Module) -> LinearArgs:
     assert isinstance(mod, nn.Linear)
-    if mod.weight.dtype != torch.float32:
-        raise DecodeUnsupported(f"weight is {mod.weight.dtype}; the C++ step runs fp32 only")
-    return fp32_args(mod.weight, mod.bias)
+    return dense_args(mod.weight, mod.bias)  # ValueError for other dtypes
 
 
 def _int8_linear(mod: nn.Module) -> LinearArgs:
@@ -79,7 +80,7 @@ def _int4_linear(mod: nn.Module) -> LinearArgs:
 
 # The one registry: linear module type (exact) -> its kernel arguments for decode.cpp.
 LINEAR_KINDS: dict[type[nn.Module], Callable[[nn.Module], LinearArgs]] = {
-    nn.Linear: _fp32_linear,
+    nn.Linear: _dense_linear,
     Int8Linear: _int8_linear,
     Int4Linear: _int4_linear,
 }
@@ -112,14 +113,16 @@ def _norm(d: Descriptor, norm: Norm | None) -> None:
 
 
 def _check_tensors(model: Transformer) -> None:
-    """Parameters must be fp32 on the CPU (compressed layers' buffers are checked by their
-    LINEAR_KINDS converter)."""
+    """Parameters must be fp32, bf16 or fp16 on the CPU (compressed layers' buffers are
+    checked by their LINEAR_KINDS converter)."""
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.device.type != "cpu":
             raise DecodeUnsupported(f"{name} is on {t.device}; the C++ decode step runs on CPU")
     for name, t in model.named_parameters():
-        if t.dtype != torch.float32:
-            raise DecodeUnsupported(f"{name} is {t.dtype}; the C++ decode step runs fp32 models")
+        if t.dtype not in STORAGE:
+            raise DecodeUnsupported(
+                f"{name} is {t.dtype}; the C++ decode step runs fp32, bf16 and fp16 models"
+            )
 
 
 def quantize_head_(model: Transformer, config: Int8WeightOnly | Int4WeightOnly) -> None:
@@ -183,9 +186,14 @@ class FastDecoder:
         embed = model.embed.weight.detach()
         if tuple(embed.shape) != (v, c):
             raise DecodeUnsupported(f"embed.weight is {tuple(embed.shape)}, expected {(v, c)}")
+        pos = None if model.pos_embed is None else model.pos_embed.weight.detach()
+        if pos is not None and pos.dtype != embed.dtype:
+            raise DecodeUnsupported(f"pos_embed is {pos.dtype}, embed {embed.dtype}: one dtype")
+        d.ints(STORAGE[embed.dtype])
         d.tensor(embed.contiguous())
-        d.tensor(None if model.pos_embed is None else model.pos_embed.weight.detach().contiguous())
+        d.tensor(None if pos is None else pos.contiguous())
         d.ints(cfg.learned_offset)
+        d.ints(self._cache_storage())
         _norm(d, model.final_norm)
         d.linear(linear_args("lm_head", model.lm_head, v, c))
         ropes: dict[tuple[float, float], tuple[Tensor, Tensor]] = {}
@@ -194,6 +202,13 @@ class FastDecoder:
                 raise DecodeUnsupported(f"layers.{i} is a {type(block).__name__}, not a Block")
             self._describe_layer(d, cfg, i, block, ropes)
         return d
+
+    def _cache_storage(self) -> int:
+        """The storage code of the cache: one dtype for every layer's keys and values."""
+        dtypes = {t.dtype for t in [*self.cache.keys.values(), *self.cache.values.values()]}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in STORAGE:
+            raise DecodeUnsupported(f"the KV cache must be of one of {list(STORAGE)}: {dtypes}")
+        return STORAGE[dtypes.pop()]
 
     def _describe_layer(
         self, d: Descriptor, cfg: ModelConfig, i: int, block: Block,

@@ -71,9 +71,13 @@ def test_ratios_schema_and_markdown() -> None:
         _entry("hf", 4, 40.0, [1, 2, 3, 4]),
         _entry("kiln-fast", 4, 160.0, [1, 2, 3, 5]),
         {"contender": "kiln-int4", "batch": 1, "rounds": [], "error": "no rounds ran"},
+        _entry("hf-bf16", 1, 10.0, [1, 2, 3, 4]),
+        _entry("kiln-bf16", 1, 70.0, [1, 2, 3, 4]),
     ]
     add_ratios(results)
     kiln1, kiln4 = results[2], results[4]
+    assert results[7]["vs_hf"] == pytest.approx(7.0)  # over hf-bf16, the same weight dtype
+    assert results[6]["vs_hf"] == pytest.approx(0.5)  # hf-bf16 itself: over fp32 hf
     assert kiln1["vs_hf"] == pytest.approx(4.0) and kiln1["vs_llamacpp"] == pytest.approx(0.8)
     assert kiln4["vs_hf"] == pytest.approx(4.0) and kiln4["vs_llamacpp"] is None
     assert results[1]["same_tokens_as_hf"] == 2 and kiln4["same_tokens_as_hf"] == 3

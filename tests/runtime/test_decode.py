@@ -9,6 +9,7 @@ same quantized model run eagerly (its own kiln weight-only kernels).
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import replace
@@ -26,12 +27,16 @@ from kiln.compress import (
     sparsify_,
 )
 from kiln.compress.configs import SemiStructured24
+from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
 from kiln.runtime.decode import DecodeUnsupported, FastDecoder, quantize_head_
 from tests.helpers import assert_close_to_reference
 
 TOL = 1e-4  # relative to the largest |logit|: fp32 with a different summation order
+# 16-bit models: as TOL, plus a cached key or value that lands on the other side of a
+# rounding boundary (1 ulp of bf16: 2^-8) when the two sides' fp32 values differ slightly.
+TOL_16BIT = 1e-3
 STEPS = 16
 
 LLAMA = ModelConfig(
@@ -148,6 +153,82 @@ def test_fp32_matches_eager(name: str, batch: int) -> None:
     check_decode(make_model(CONFIGS[name]), batch)
 
 
+def round_cache_(cache: KVCache, dtype: torch.dtype) -> None:
+    """Round an fp32 cache's contents to ``dtype``'s values, in place."""
+    for t in [*cache.keys.values(), *cache.values.values()]:
+        t.copy_(t.to(dtype).float())
+
+
+def check_decode_16bit(model: Transformer, batch: int, prompt_len: int = 5) -> None:
+    """A bf16 / fp16 model's fast steps (fp32 math on the 16-bit weights, a 16-bit cache)
+    against the eager model upcast to fp32 whose cache is rounded to the 16-bit dtype after
+    every step: the same numbers computed independently. Both start from the reference's
+    prefill (the 16-bit eager prefill rounds every activation: not the same numbers)."""
+    dtype = next(model.parameters()).dtype
+    ref = copy.deepcopy(model)
+    for p in ref.parameters():  # parameters only: compressed layers' buffers keep their dtypes
+        p.data = p.data.float()
+    torch.manual_seed(1)
+    max_len = prompt_len + STEPS
+    prompt = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len))
+    dec = FastDecoder(model, batch, max_len)
+    ref_cache = ref.new_cache(batch, max_len)
+    with torch.no_grad():
+        tok = ref(prompt, 0, ref_cache)[:, -1].argmax(-1)
+        round_cache_(ref_cache, dtype)
+        for i in ref_cache.keys:
+            dec.cache.keys[i].copy_(ref_cache.keys[i])
+            dec.cache.values[i].copy_(ref_cache.values[i])
+        for pos in range(prompt_len, max_len):
+            expected = ref(tok[:, None], pos, ref_cache)[:, 0]  # (B, V)
+            round_cache_(ref_cache, dtype)
+            got = dec.step(tok, pos)
+            assert_close_to_reference(got, expected, rtol_to_max=TOL_16BIT)
+            assert torch.equal(got.argmax(-1), expected.argmax(-1)), f"greedy token at {pos}"
+            tok = expected.argmax(-1)
+    # The cache the steps wrote: mostly the same 16-bit values; where the fp32 inputs of a
+    # rounding differ slightly (1e-6 in layer 0, ~1e-4 relative after a cached value one
+    # ulp apart), a value rounds the other way: at most one ulp of the cache's largest entry.
+    eps = torch.finfo(dtype).eps
+    for got_c, ref_c in [(dec.cache.keys, ref_cache.keys), (dec.cache.values, ref_cache.values)]:
+        for i in ref_c:
+            assert got_c[i].dtype == dtype
+            assert_close_to_reference(got_c[i].float(), ref_c[i], rtol_to_max=eps)
+            assert (got_c[i].float() == ref_c[i]).float().mean().item() > 0.9
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_16bit_matches_upcast_eager(name: str, dtype: torch.dtype) -> None:
+    check_decode_16bit(make_model(CONFIGS[name]).to(dtype), batch=2)
+
+
+@pytest.mark.parametrize(
+    "config", [Int8WeightOnly(), Int4WeightOnly(group_size=32)], ids=["int8", "int4-g32"]
+)
+def test_quantized_layers_in_a_bf16_model(config: Int8WeightOnly | Int4WeightOnly) -> None:
+    model = make_model(replace(LLAMA, intermediate_size=128)).to(torch.bfloat16)
+    assert quantize_(model, config)
+    check_decode_16bit(model, batch=2)
+
+
+def test_bf16_fast_steps_follow_bf16_prefill() -> None:
+    """End to end on the bf16 model alone (its own eager prefill, then fast steps): the
+    16-bit cache written by eager torch is read back by the C++ step; the logits stay
+    within bf16 arithmetic of the eager bf16 steps."""
+    model = make_model(LLAMA).to(torch.bfloat16)
+    prompt = torch.randint(0, LLAMA.vocab_size, (1, 6))
+    dec = FastDecoder(model, 1, 12)
+    ref_cache = model.new_cache(1, 12)
+    with torch.no_grad():
+        tok = dec.prefill(prompt)[:, -1].argmax(-1)
+        model(prompt, 0, ref_cache)
+        for pos in range(6, 12):
+            got, ref = dec.step(tok, pos), model(tok[:, None], pos, ref_cache)[:, 0].float()
+            assert_close_to_reference(got, ref, rtol_to_max=0.05)
+            tok = ref.argmax(-1)
+
+
 def test_batch_8_and_window_wraps_prompt() -> None:
     cfg = replace(LLAMA, sliding_windows=(4, 7))
     check_decode(make_model(cfg), batch=8, prompt_len=9)
@@ -207,7 +288,7 @@ def test_fast_and_eager_steps_mix() -> None:
     assert_close_to_reference(got, expected[:, 8:], rtol_to_max=TOL)
 
 
-@pytest.mark.parametrize("kind", ["2:4", "lowrank", "bf16"])
+@pytest.mark.parametrize("kind", ["2:4", "lowrank", "float64"])
 def test_unsupported_models_raise(kind: str) -> None:
     model = make_model(LLAMA)
     if kind == "2:4":
@@ -217,8 +298,8 @@ def test_unsupported_models_raise(kind: str) -> None:
         lowrank_(model, LowRank(rank=2))
         match = "LowRankLinear"
     else:
-        model = model.to(torch.bfloat16)
-        match = "bfloat16"
+        model = model.to(torch.float64)
+        match = "float64"
     with pytest.raises(DecodeUnsupported, match=match):
         FastDecoder(model, 1, 8)
 

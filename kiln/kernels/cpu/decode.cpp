@@ -8,8 +8,9 @@
 // grouped-query attention over the filled prefix (sliding window, soft-cap) -> o projection
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
 // head, soft-cap.
-// Linear layers: fp32 through decode_gemv.h, INT8 / INT4 weight-only through woq.cpp's
-// kernels (included here: one copy of them). Pointwise math uses kiln_vec.h. Threads: one
+// Linear layers: dense fp32 / bf16 / fp16 weights through decode_gemv.h, INT8 / INT4
+// weight-only through woq.cpp's kernels (included here: one copy of them). A bf16 / fp16
+// model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are fp32. Pointwise math uses kiln_vec.h. Threads: one
 // OpenMP region per step on torch's libgomp (the one thread pool), synchronised by work
 // counting (decode_team.h): projections (q/k/v together, gate/up together), attention and
 // the head are split across threads; norms and pointwise steps (a few thousand floats)
@@ -46,29 +47,35 @@ void woq_blocks(const Args& a, int64_t b0, int64_t b1) {
 }
 
 // One linear layer, y (M, N) = x (M, K) @ W.T, prepared as a Task of items (each a run of
-// blocks: 16 output rows for fp32, kBlockPanels panels for INT8 / INT4).
+// blocks: 16 output rows for dense weights, kBlockPanels panels for INT8 / INT4).
 struct LinearJob {
   Lin l;
   int64_t M;
   float* y;
-  Fp32Args f{};
+  int storage;  // the dense kinds' storage code, -1 for INT8 / INT4
+  DenseArgs f{};
   Int8Args i8{};
   Int4Args i4{};
-  std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1), INT4 group sums
+  std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1) or bf16's split pairs;
+                                // INT4 group sums
   int64_t blocks = 0, per_item = 1, items = 0;
 
   LinearJob(const Lin& lin, const float* x, int64_t rows, float* out, int threads)
-      : l(lin), M(rows), y(out) {
-    if (l.kind != 0 && M > 1) {  // woq kernels read rows interleaved (see woq.cpp drive)
+      : l(lin), M(rows), y(out), storage(dense_storage(lin.kind)) {
+    if (storage < 0 && M > 1) {  // woq kernels read rows interleaved (see woq.cpp drive)
       xt = interleave_rows(x, M, l.K);
     }
     const float* xk = xt.empty() ? x : xt.data();
-    if (l.kind == 0) {
-      f = Fp32Args{x, M, l.K, l.N, static_cast<const float*>(l.w), l.bias, y};
+    if (storage == kBF16) {
+      xt.resize(static_cast<size_t>(M * l.K));
+      split_pairs(x, M, l.K, xt.data());
+    }
+    if (storage >= 0) {
+      f = DenseArgs{x, xt.data(), M, l.K, l.N, l.w, storage, l.bias, y};
       blocks = (l.N + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock;
     } else {
       blocks = ((l.N + wv::W - 1) / wv::W + kBlockPanels - 1) / kBlockPanels;
-      if (l.kind == 1) {
+      if (l.kind == kLinInt8) {
         i8 = Int8Args{xk, M, l.K, l.N, static_cast<const int8_t*>(l.w), l.scale, y};
       } else {
         xsum = group_sums(x, M, l.K, l.g);
@@ -84,11 +91,11 @@ struct LinearJob {
   static void run(const void* ctx, int64_t i, float* scratch) {
     const LinearJob& j = *static_cast<const LinearJob*>(ctx);
     const int64_t b0 = i * j.per_item, b1 = std::min(j.blocks, b0 + j.per_item);
-    if (j.l.kind == 0) {
-      Fp32Args a = j.f;
+    if (j.storage >= 0) {
+      DenseArgs a = j.f;
       if (scratch) a.y = scratch;
-      gemv_fp32(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
-    } else if (j.l.kind == 1) {
+      gemv_dense(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
+    } else if (j.l.kind == kLinInt8) {
       Int8Args a = j.i8;
       if (scratch) a.y = scratch;
       woq_blocks<Int8Block>(a, b0, b1);
@@ -102,7 +109,7 @@ struct LinearJob {
   // Copies item i's output columns from a helper's scratch to y.
   static void commit(const void* ctx, int64_t i, const float* scratch) {
     const LinearJob& j = *static_cast<const LinearJob*>(ctx);
-    const int64_t unit = j.l.kind == 0 ? kGemvRowsPerBlock : kBlockPanels * wv::W;
+    const int64_t unit = j.storage >= 0 ? kGemvRowsPerBlock : kBlockPanels * wv::W;
     const int64_t n0 = i * j.per_item * unit, n1 = std::min(j.l.N, (i + 1) * j.per_item * unit);
     for (int64_t r = 0; r < j.M; ++r)
       std::memcpy(j.y + r * j.l.N + n0, scratch + r * j.l.N + n0, sizeof(float) * (n1 - n0));
@@ -110,9 +117,9 @@ struct LinearJob {
 
   Task task() const { return Task{items, &LinearJob::run, &LinearJob::commit, this}; }
 
-  // The bias of the woq kinds (fp32 adds it in its kernel), once all items are done.
+  // The bias of the woq kinds (dense adds it in its kernel), once all items are done.
   void finish() const {
-    if (l.kind == 0 || l.bias == nullptr) return;
+    if (storage >= 0 || l.bias == nullptr) return;
     for (int64_t r = 0; r < M; ++r)
       for (int64_t n = 0; n < l.N; ++n) y[r * l.N + n] += l.bias[n];
   }
@@ -135,7 +142,7 @@ struct AttentionJob {
     const int64_t cache = ((b * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;  // (b, kv head, 0)
     float* scores = scratch ? scratch : j.scores + it * m.S;
     float* out = scratch ? scratch + m.S : j.att + it * m.D;
-    attend_head(m, j.q + it * m.D, j.l->kc + cache, j.l->vc + cache, j.lo, j.pos, scores, out);
+    attend_head(m, j.q + it * m.D, j.l->kc, j.l->vc, cache, j.lo, j.pos, scores, out);
   }
 
   static void commit(const void* ctx, int64_t it, const float* scratch) {
@@ -169,8 +176,8 @@ int team_threads(int64_t requested, int64_t bytes) {
 
 int64_t weight_bytes(const Lin& l) {
   if (l.kind < 0) return 0;
-  const int64_t n = l.N * l.K;
-  return l.kind == 0 ? 4 * n : (l.kind == 1 ? n : n / 2);
+  const int64_t n = l.N * l.K, s = dense_storage(l.kind);
+  return s >= 0 ? storage_bytes(static_cast<int>(s)) * n : (l.kind == kLinInt8 ? n : n / 2);
 }
 
 // Runs body(team, jobs) on thread 0 of one OpenMP region of `threads` threads
@@ -228,8 +235,8 @@ void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, int64_t 
     rotate(k, B * m.Hkv, m.D, l.cos + pos * m.D, l.sin + pos * m.D);
   }
   for (int64_t bh = 0; bh < B * m.Hkv; ++bh) {  // cache (B, Hkv, S, D) at slot pos
-    std::memcpy(l.kc + (bh * m.S + pos) * m.D, k + bh * m.D, sizeof(float) * m.D);
-    std::memcpy(l.vc + (bh * m.S + pos) * m.D, v + bh * m.D, sizeof(float) * m.D);
+    write_row(k + bh * m.D, l.kc, m.cache_storage, (bh * m.S + pos) * m.D, m.D);
+    write_row(v + bh * m.D, l.vc, m.cache_storage, (bh * m.S + pos) * m.D, m.D);
   }
   const int64_t lo = l.window > 0 ? std::max<int64_t>(0, pos - l.window + 1) : 0;
   jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, pos, lo});
@@ -275,17 +282,20 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, float*
              std::to_string(m.Vocab);
   const int64_t B = m.B, C = m.C;
   float *x = ws, *h = x + B * C;
-  for (int64_t b = 0; b < B; ++b) {
-    const float* e = m.embed + tokens[b] * C;
-    const float* pe = m.pos_embed ? m.pos_embed + (pos + m.learned_offset) * C : nullptr;
-    for (int64_t i = 0; i < C; ++i) {
-      float xi = m.embed_scale != 1.0f ? e[i] * m.embed_scale : e[i];
-      x[b * C + i] = pe ? xi + pe[i] : xi;
+  for (int64_t b = 0; b < B; ++b) {  // x = embed[token] * scale (+ pos_embed[pos]); h: scratch
+    float* xb = x + b * C;
+    read_row(m.embed, m.embed_storage, tokens[b] * C, xb, C);
+    if (m.embed_scale != 1.0f)
+      for (int64_t i = 0; i < C; ++i) xb[i] *= m.embed_scale;
+    if (m.pos_embed) {
+      read_row(m.pos_embed, m.embed_storage, (pos + m.learned_offset) * C, h, C);
+      for (int64_t i = 0; i < C; ++i) xb[i] += h[i];
     }
   }
   // A helper's scratch: one linear layer's (B, N) output, or one head's scores + output.
   const int64_t widest = std::max({m.Vocab, m.F, m.H * m.D, m.C});
-  int64_t bytes = weight_bytes(m.head) + 2 * 4 * B * m.Hkv * (pos + 1) * m.D * m.L;  // + KV
+  int64_t bytes = weight_bytes(m.head) +  // + the KV cache read
+                  2 * storage_bytes(m.cache_storage) * B * m.Hkv * (pos + 1) * m.D * m.L;
   for (const Layer& l : layers)
     for (const Lin* lin : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down})
       bytes += weight_bytes(*lin);
@@ -350,7 +360,7 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Reader r{reinterpret_cast<const int64_t*>(v[0])};
   const Lin l = r.lin();
   return released("linear", [&]() -> std::string {
-    if (l.kind < 0 || l.kind > 2) return "unknown kind " + std::to_string(l.kind);
+    if (l.kind < kLinFp32 || l.kind > kLinFp16) return "unknown kind " + std::to_string(l.kind);
     const auto* x = reinterpret_cast<const float*>(v[1]);
     auto* y = reinterpret_cast<float*>(v[3]);
     const int nt = team_threads(v[4], weight_bytes(l));

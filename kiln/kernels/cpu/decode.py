@@ -8,10 +8,10 @@ copy torch has loaded: torch's one thread pool. The ``.so`` is cached under
 ``<kiln cache>/decode/`` by a hash of every source it includes, the flags, the compiler,
 torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512 elsewhere).
 
-The model reaches C++ as a flat int64 *descriptor* (layout in decode.cpp's header
+The model reaches C++ as a flat int64 *descriptor* (layout in decode_desc.h's header
 comment) built by ``Descriptor``: integers, floats as their double bits, tensors as data
 pointers. ``Descriptor`` keeps every tensor it points to alive. One linear layer is a
-``LinearArgs`` record (fp32, INT8 or INT4 with its packed weights); ``linear`` runs one
+``LinearArgs`` record (dense fp32 / bf16 / fp16, or INT8 / INT4 packed); ``linear`` runs one
 such record alone (tests, measurements).
 """
 
@@ -37,6 +37,7 @@ SOURCES = (
     "decode_ops.h",
     "decode_team.h",
     "decode_gemv.h",
+    "decode_half.h",
     "woq.cpp",
     "woq_vec.h",
     "kiln_vec.h",
@@ -53,8 +54,11 @@ FLAGS = (
     "-std=c++17",  # ISO mode: no implicit FMA contraction (products round like torch's)
 )
 
-KIND_NONE, KIND_FP32, KIND_INT8, KIND_INT4 = -1, 0, 1, 2
-LAYOUT_MAGIC = 0x6B696C6E64656301  # decode.cpp kMagic
+KIND_NONE, KIND_FP32, KIND_INT8, KIND_INT4, KIND_BF16, KIND_FP16 = -1, 0, 1, 2, 3, 4
+LAYOUT_MAGIC = 0x6B696C6E64656302  # decode_desc.h kMagic
+# Storage codes of decode_half.h (the embedding table, the KV cache) and dense linear kinds.
+STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DENSE_KINDS = {torch.float32: KIND_FP32, torch.bfloat16: KIND_BF16, torch.float16: KIND_FP16}
 LAYER_END = 0x6C61796572656E64  # decode.cpp kLayerEnd
 
 
@@ -89,9 +93,9 @@ def _check_fp32(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
 class LinearArgs:
     """One linear layer as decode.cpp runs it: y (M, n) = x (M, k) @ W.T + bias.
 
-    ``weight`` is the fp32 (n, k) weight itself (fp32), or woq.cpp's panel layout (INT8:
-    int8 (P, k, lanes) with ``scale`` (P * lanes,); INT4: uint8 group records, ``group``
-    the group size). The record holds pointers; this object keeps the tensors alive.
+    ``weight`` is the dense (n, k) weight itself (fp32, bf16 or fp16), or woq.cpp's panel
+    layout (INT8: int8 (P, k, lanes) with ``scale`` (P * lanes,); INT4: uint8 group records,
+    ``group`` the group size). The record holds pointers; this object keeps the tensors alive.
     """
 
     kind: int
@@ -112,13 +116,19 @@ def _bias(bias: Tensor | None, n: int) -> Tensor | None:
     return None if bias is None else _check_fp32("bias", bias.float(), (n,))
 
 
-def fp32_args(weight: Tensor, bias: Tensor | None) -> LinearArgs:
-    """An fp32 linear layer: weight (N, K) used in place (no copy when contiguous)."""
+def dense_args(weight: Tensor, bias: Tensor | None) -> LinearArgs:
+    """A dense linear layer, weight (N, K) fp32, bf16 or fp16 on the CPU, used in place (no
+    copy when contiguous); the kernel widens 16-bit weights to fp32 as it loads them."""
     if weight.dim() != 2:
         raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    if weight.dtype not in DENSE_KINDS or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight must be a float32, bfloat16 or float16 CPU tensor, got {weight.dtype} "
+            f"on {weight.device.type}"
+        )
     n, k = weight.shape
-    w = _check_fp32("weight", weight, (n, k))
-    return LinearArgs(KIND_FP32, n, k, 0, w, None, _bias(bias, n))
+    w = weight.detach().contiguous()
+    return LinearArgs(DENSE_KINDS[w.dtype], n, k, 0, w, None, _bias(bias, n))
 
 
 def int8_args(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> LinearArgs:

@@ -1,15 +1,16 @@
 // decode_desc.h — the decode step's model descriptor: layout, parsed structs, workspace.
 //
 // Descriptor (all int64; F = a double's bits, P = a pointer, NORM = P weight, P bias
-// (0 = absent; weight 0 = no norm), LIN = kind (-1 none, 0 fp32, 1 int8, 2 int4), N, K,
-// group, P weight, P scale, P bias):
+// (0 = absent; weight 0 = no norm), LIN = kind (-1 none, 0 fp32, 1 int8, 2 int4, 3 bf16,
+// 4 fp16), N, K, group, P weight, P scale, P bias; S = a storage code of decode_half.h):
 //   header: kMagic, n_layers, B, C, H, Hkv, D, F_inter, V, max_len, norm_kind (0 rms,
 //           1 layer), F eps, F norm_offset, act (0 silu, 1 gelu, 2 gelu_tanh, 3 relu),
 //           F attn_scale, F attn_softcap (0 none), F final_softcap (0 none), F embed_scale,
-//           P embed (V, C), P pos_embed (0 none), learned_offset, NORM final, LIN head
+//           S embed, P embed (V, C), P pos_embed (0 none; storage S embed), learned_offset,
+//           S cache, NORM final, LIN head
 //   per layer: NORM attn, NORM q_norm, NORM k_norm, LIN q, k, v, o, NORM post_attn,
 //           NORM mlp, LIN gate (kind -1 when plain), LIN up, LIN down, NORM post_mlp,
-//           P k_cache (B, Hkv, max_len, D), P v_cache, window (0 none),
+//           P k_cache (B, Hkv, max_len, D; storage S cache), P v_cache, window (0 none),
 //           P rope_cos (max_len, D), P rope_sin (0 = no rotary), kLayerEnd
 // decode.py writes this layout (Descriptor); a step parses it into Model and Layer.
 #pragma once
@@ -19,8 +20,16 @@
 
 namespace kdec {
 
-constexpr int64_t kMagic = 0x6B696C6E64656301;  // "kilndec" + layout version 1
+constexpr int64_t kMagic = 0x6B696C6E64656302;  // "kilndec" + layout version 2
 constexpr int64_t kLayerEnd = 0x6C61796572656E64;
+
+// Linear kinds: dense (a weight matrix of one storage type) or woq.cpp's packed layouts.
+enum : int64_t { kLinFp32 = 0, kLinInt8 = 1, kLinInt4 = 2, kLinBf16 = 3, kLinFp16 = 4 };
+
+// The storage code of a dense kind, or -1 for a packed (woq) kind.
+inline int dense_storage(int64_t kind) {
+  return kind == kLinFp32 ? 0 : (kind == kLinBf16 ? 1 : (kind == kLinFp16 ? 2 : -1));
+}
 
 struct Norm {
   const float* w;
@@ -39,14 +48,15 @@ struct Layer {
   Norm mlp_norm;
   Lin gate, up, down;
   Norm post_mlp;
-  float *kc, *vc;
+  void *kc, *vc;  // storage Model::cache_storage
   int64_t window;
   const float *cos, *sin;
 };
 struct Model {
   int64_t L, B, C, H, Hkv, D, F, Vocab, S, norm_kind, act, learned_offset;
+  int embed_storage, cache_storage;
   float eps, norm_offset, attn_scale, attn_softcap, final_softcap, embed_scale;
-  const float *embed, *pos_embed;
+  const void *embed, *pos_embed;  // storage embed_storage
   Norm final_norm;
   Lin head;
 };
@@ -79,8 +89,12 @@ std::string read_model(Reader& r, Model& m) {
   m.F = r.i(), m.Vocab = r.i(), m.S = r.i(), m.norm_kind = r.i();
   m.eps = r.f(), m.norm_offset = r.f(), m.act = r.i();
   m.attn_scale = r.f(), m.attn_softcap = r.f(), m.final_softcap = r.f(), m.embed_scale = r.f();
-  m.embed = r.ptr<const float>(), m.pos_embed = r.ptr<const float>();
+  m.embed_storage = static_cast<int>(r.i());
+  m.embed = r.ptr<const void>(), m.pos_embed = r.ptr<const void>();
   m.learned_offset = r.i();
+  m.cache_storage = static_cast<int>(r.i());
+  for (int s : {m.embed_storage, m.cache_storage})
+    if (s < 0 || s > 2) return "unknown storage code " + std::to_string(s);
   m.final_norm = r.norm();
   m.head = r.lin();
   return "";
@@ -92,7 +106,7 @@ std::string read_layer(Reader& r, Layer& l) {
   l.post_attn = r.norm(), l.mlp_norm = r.norm();
   l.gate = r.lin(), l.up = r.lin(), l.down = r.lin();
   l.post_mlp = r.norm();
-  l.kc = r.ptr<float>(), l.vc = r.ptr<float>();
+  l.kc = r.ptr<void>(), l.vc = r.ptr<void>();
   l.window = r.i();
   l.cos = r.ptr<const float>(), l.sin = r.ptr<const float>();
   if (r.i() != kLayerEnd) return "a layer record does not end with its marker";

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "decode_desc.h"
+#include "decode_half.h"
 #include "kiln_vec.h"
 
 namespace kdec {
@@ -53,22 +54,28 @@ void rotate(float* x, int64_t heads, int64_t D, const float* cos, const float* s
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
+// a (n floats) . b (n values of storage S from element i).
+template <int S>
+float dot_as(const float* a, const void* b, int64_t i, int64_t n) {
   V acc = kv::splat(0.0f);
-  int64_t i = 0;
-  for (; i + kv::W <= n; i += kv::W) acc = kv::fma(kv::load(a + i), kv::load(b + i), acc);
-  float s = kv::hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  int64_t j = 0;
+  for (; j + kv::W <= n; j += kv::W) acc = kv::fma(kv::load(a + j), load_as<S>(b, i + j), acc);
+  if (j < n) {
+    const int rest = static_cast<int>(n - j);
+    acc = kv::fma(kv::loadn(a + j, rest, 0.0f), load_as_n<S>(b, i + j, rest), acc);
+  }
+  return kv::hsum(acc);
 }
 
-// One query head over cache slots [lo, pos]: softmax(q.k * scale (soft-capped)) @ v.
-void attend_head(const Model& m, const float* q, const float* kc, const float* vc,
-                 int64_t lo, int64_t pos, float* scores, float* out) {
+// One query head over cache slots [lo, pos] of a cache head stored as S (kc, vc: element
+// offset `at` of slot 0): softmax(q.k * scale (soft-capped)) @ v.
+template <int S>
+void attend_head_as(const Model& m, const float* q, const void* kc, const void* vc, int64_t at,
+                    int64_t lo, int64_t pos, float* scores, float* out) {
   const int64_t D = m.D, n = pos + 1 - lo;
   float mx = -INFINITY;
   for (int64_t s = 0; s < n; ++s) {
-    float d = dot(q, kc + (lo + s) * D, D) * m.attn_scale;
+    float d = dot_as<S>(q, kc, at + (lo + s) * D, D) * m.attn_scale;
     if (m.attn_softcap > 0.0f) d = std::tanh(d / m.attn_softcap) * m.attn_softcap;
     scores[s] = d;
     mx = std::max(mx, d);
@@ -85,9 +92,24 @@ void attend_head(const Model& m, const float* q, const float* kc, const float* v
   const float inv = 1.0f / sum;
   for (int64_t d = 0; d < D; ++d) out[d] = 0.0f;
   for (s = 0; s < n; ++s) {
-    const float p = scores[s] * inv;
-    const float* vr = vc + (lo + s) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] += p * vr[d];
+    const V p = kv::splat(scores[s] * inv);
+    const int64_t row = at + (lo + s) * D;
+    int64_t d = 0;
+    for (; d + kv::W <= D; d += kv::W) kv::store(out + d, kv::load(out + d) + p * load_as<S>(vc, row + d));
+    if (d < D) {
+      const int rest = static_cast<int>(D - d);
+      kv::storen(out + d, kv::loadn(out + d, rest, 0.0f) + p * load_as_n<S>(vc, row + d, rest), rest);
+    }
+  }
+}
+
+// attend_head_as for the model's cache storage.
+inline void attend_head(const Model& m, const float* q, const void* kc, const void* vc,
+                        int64_t at, int64_t lo, int64_t pos, float* scores, float* out) {
+  switch (m.cache_storage) {
+    case kBF16: return attend_head_as<kBF16>(m, q, kc, vc, at, lo, pos, scores, out);
+    case kF16: return attend_head_as<kF16>(m, q, kc, vc, at, lo, pos, scores, out);
+    default: return attend_head_as<kF32>(m, q, kc, vc, at, lo, pos, scores, out);
   }
 }
 

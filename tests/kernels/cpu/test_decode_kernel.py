@@ -28,8 +28,18 @@ def _seed() -> None:
 def test_fp32_linear(m: int, n: int, k: int, bias: bool) -> None:
     w, x = torch.randn(n, k), torch.randn(m, k)
     b = torch.randn(n) if bias else None
-    got = decode.linear(decode.fp32_args(w, b), x)
+    got = decode.linear(decode.dense_args(w, b), x)
     assert_close_to_reference(got, F.linear(x, w, b), rtol_to_max=TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 44), (5, 3)])
+def test_16bit_linear(dtype: torch.dtype, m: int, n: int, k: int) -> None:
+    """16-bit weights widened in the kernel: fp32 math on exactly the stored values."""
+    w, x, b = torch.randn(n, k).to(dtype), torch.randn(m, k), torch.randn(n)
+    got = decode.linear(decode.dense_args(w, b), x)
+    assert_close_to_reference(got, F.linear(x, w.float(), b), rtol_to_max=TOL)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 8, 9])
@@ -58,17 +68,18 @@ def test_int4_linear(m: int, group: int, bias: bool) -> None:
 def test_threads_give_identical_results() -> None:
     """Each output is computed whole by one thread: the thread count changes nothing."""
     w, x = torch.randn(3000, 200), torch.randn(4, 200)
-    for args in (decode.fp32_args(w, None), decode.int8_args(*quantize_int8(w), None)):
+    for args in (decode.dense_args(w, None), decode.int8_args(*quantize_int8(w), None)):
         one = decode.linear(args, x, threads=1)
         for threads in (2, 3):
             assert torch.equal(decode.linear(args, x, threads=threads), one)
 
 
-def test_fp32_args_rejects_other_dtypes() -> None:
-    with pytest.raises(ValueError, match="float32"):
-        decode.fp32_args(torch.randn(4, 4).bfloat16(), None)
+def test_dense_args_rejects_other_dtypes() -> None:
+    for dtype in (torch.float64, torch.int8):
+        with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+            decode.dense_args(torch.ones(4, 4, dtype=dtype), None)
     with pytest.raises(ValueError, match="2-D"):
-        decode.fp32_args(torch.randn(4), None)
+        decode.dense_args(torch.randn(4), None)
 
 
 def test_descriptor_magic_is_checked() -> None:
