@@ -9,7 +9,9 @@
 //     accumulators; consecutive rows are adjacent, so a thread's run of rows is one
 //     sequential stream (measured here: the head's GEMV 13.8 -> 18.2 GB/s on one thread
 //     against the R-row blocks below, and a whole fp32 step 27 -> 23 ms).
-//   * M > 1: a block of R output rows x M activation rows keeps R x M accumulator vectors
+//   * M = 2..4: gemv_row_m, the same one stream per run of rows, each weight vector used
+//     for the M activation rows (batch 4 on SmolLM2: fp32 step 33 -> 27 ms, bf16 29 -> 20).
+//   * M > 4: a block of R output rows x M activation rows keeps R x M accumulator vectors
 //     in registers; per k-vector it loads R weight vectors (R streams, adjacent in memory)
 //     and M activation vectors (L1-resident) and does R x M FMAs, so each weight is read
 //     once for all M rows. More than 8 rows run as chunks of 8 over the same block.
@@ -178,6 +180,48 @@ inline void gemv_row(const DenseArgs& a, int64_t n) {
   a.y[n] = s;
 }
 
+// M = 2..4 activation rows, output row n: as gemv_row, the weight row read once front to
+// back (one stream for a run of rows), two accumulators per activation row.
+template <int S, int M>
+inline void gemv_row_m(const DenseArgs& a, int64_t n) {
+  using kv::V;
+  constexpr int W = kv::W;
+  const int64_t K = a.K, w0 = n * K;
+  V acc[2][M];
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = kv::splat(0.0f);
+  int64_t k = 0;
+  for (; k + 2 * W <= K; k += 2 * W) {
+    V lo, hi;  // the weights at k .. k + W (bf16: the even ones) and the next W (odd)
+    const float* x = a.x;
+    if constexpr (S == kBF16) {
+      kv::VI bits;
+      std::memcpy(&bits, static_cast<const uint16_t*>(a.w) + w0 + k, sizeof(V));
+      lo = kv::as_float(bits << 16), hi = kv::as_float(bits & kHighHalves), x = a.xs;
+    } else {
+      lo = load_as<S>(a.w, w0 + k), hi = load_as<S>(a.w, w0 + k + W);
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m) {
+      acc[0][m] = kv::fma(lo, kv::load(x + m * K + k), acc[0][m]);
+      acc[1][m] = kv::fma(hi, kv::load(x + m * K + k + W), acc[1][m]);
+    }
+  }
+  for (; k < K; k += W) {  // K % 2W: whole vectors, then a masked one
+    const int rest = static_cast<int>(std::min<int64_t>(W, K - k));
+    const V wv = load_as_n<S>(a.w, w0 + k, rest);
+#pragma GCC unroll 4
+    for (int m = 0; m < M; ++m)
+      acc[0][m] = kv::fma(wv, kv::loadn(a.x + m * K + k, rest, 0.0f), acc[0][m]);
+  }
+#pragma GCC unroll 4
+  for (int m = 0; m < M; ++m) {
+    float s = kv::hsum(acc[0][m] + acc[1][m]);
+    if (a.bias != nullptr) s += a.bias[n];
+    a.y[m * a.N + n] = s;
+  }
+}
+
 // Block height: 8 accumulators at most (16 ymm registers: accumulators + R weights + x).
 constexpr int gemv_rows(int m) { return m <= 2 ? 4 : (m <= 4 ? 2 : 1); }
 
@@ -192,9 +236,12 @@ inline void gemv_range(const DenseArgs& a, int64_t n0, int64_t n1, int64_t r0) {
 
 template <int S>
 inline void gemv_all_rows(const DenseArgs& a, int64_t n0, int64_t n1) {
-  if (a.M == 1) {
-    for (int64_t n = n0; n < n1; ++n) gemv_row<S>(a, n);
-    return;
+  switch (a.M) {  // a few rows: one weight stream (gemv_row, gemv_row_m)
+    case 1: for (int64_t n = n0; n < n1; ++n) gemv_row<S>(a, n); return;
+    case 2: for (int64_t n = n0; n < n1; ++n) gemv_row_m<S, 2>(a, n); return;
+    case 3: for (int64_t n = n0; n < n1; ++n) gemv_row_m<S, 3>(a, n); return;
+    case 4: for (int64_t n = n0; n < n1; ++n) gemv_row_m<S, 4>(a, n); return;
+    default: break;
   }
   for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
     switch (std::min<int64_t>(8, a.M - r0)) {
