@@ -33,7 +33,7 @@ def test_fp32_linear(m: int, n: int, k: int, bias: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 9])
 @pytest.mark.parametrize(("n", "k"), [(576, 576), (37, 44), (5, 3)])
 def test_16bit_linear(dtype: torch.dtype, m: int, n: int, k: int) -> None:
     """16-bit weights widened in the kernel: fp32 math on exactly the stored values."""
