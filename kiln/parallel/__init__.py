@@ -1,14 +1,14 @@
 """Parallel execution on torch.distributed: launching ranks, tensor and pipeline parallel.
 
-    from kiln.parallel import generate_parallel
-    tokens = generate_parallel(model_factory, prompt_ids, 32, tp=2, pp=2)
+    from kiln.parallel import run_parallel
+    tokens = run_parallel(model_factory, prompt_ids, 32, tp=2, pp=2).tokens
 
 ``launch`` starts and watches the ranks (``launch.py``; torchrun for several machines),
 ``tp.py`` shards a ``Transformer`` across a tensor-parallel group, ``pp.py`` splits it into
 pipeline stages and runs micro-batched greedy decoding, ``generate.py`` puts them together.
 """
 
-from kiln.parallel.generate import Mesh, generate_parallel, rank_generate, run_parallel
+from kiln.parallel.generate import Mesh, rank_generate, run_parallel
 from kiln.parallel.launch import RankFailed, launch, progress, torchrun_command
 from kiln.parallel.pp import GenerationOutput, Stage, pipeline_generate, split_stages
 from kiln.parallel.tp import Sliceable, partition_heads, shard_tensor_parallel, sliceable
@@ -19,7 +19,6 @@ __all__ = [
     "RankFailed",
     "Sliceable",
     "Stage",
-    "generate_parallel",
     "launch",
     "partition_heads",
     "pipeline_generate",

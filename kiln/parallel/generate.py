@@ -6,7 +6,7 @@ under torchrun) and pipeline j is ranks j, j + tp, j + 2 tp, ... Each rank build
 model with ``model_factory`` (e.g. a loader call), trims it to its stage, shards the stage
 across its tensor-parallel group, and runs ``pipeline_generate``::
 
-    tokens = generate_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2)
+    tokens = run_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2).tokens
 """
 
 from __future__ import annotations
@@ -147,39 +147,14 @@ def run_parallel(
     timeout_s: float = 60.0,
     backend: str = "gloo",
 ) -> GenerationOutput:
-    """Greedy decoding on ``tp * pp`` ranks started by ``launch``; the tokens (B, T + new)
-    and the new tokens' logits (B, new, V) as the last stage's first rank saw them.
+    """Greedy decoding on ``tp * pp`` ranks started by ``launch`` (``backend="nccl"``: one
+    GPU per rank); the tokens (B, T + new), prompt included, and the new tokens' logits
+    (B, new, V) as the last stage's first rank saw them.
     ``timeout_s``: longest stretch without progress (loading, or one decode step)."""
     prompt = as_batch(prompt_ids)
     args = (model_factory, prompt, max_new_tokens, tp, pp, split, microbatches)
     results = launch(_rank_main, tp * pp, args, timeout_s=timeout_s, backend=backend)
-    return results[(pp - 1) * tp]
-
-
-def generate_parallel(
-    model_factory: ModelFactory,
-    prompt_ids: Tensor | Sequence[int],
-    max_new_tokens: int,
-    tp: int = 1,
-    pp: int = 1,
-    split: Sequence[int] | None = None,
-    microbatches: int = 1,
-    timeout_s: float = 60.0,
-    backend: str = "gloo",
-) -> Tensor:
-    """Greedy tokens (B, T + max_new_tokens), prompt included, from ``tp * pp`` ranks
-    (``backend="nccl"``: one GPU per rank)."""
-    out = run_parallel(
-        model_factory,
-        prompt_ids,
-        max_new_tokens,
-        tp,
-        pp,
-        split,
-        microbatches,
-        timeout_s,
-        backend,
-    )
+    out: GenerationOutput = results[(pp - 1) * tp]
     if out.tokens is None:
         raise RuntimeError("the last pipeline stage returned no tokens")
-    return out.tokens
+    return out

@@ -1,6 +1,6 @@
 """In-process checks of the parallel layout: head and feature partitions, stage splits,
 the slicing interface, shard shapes and per-rank caches (no process group needed), and
-generate_parallel in torchrun mode with one rank."""
+run_parallel in torchrun mode with one rank."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torch import nn
 
 import kiln.parallel
 from kiln.compress import Int4WeightOnly, quantize_
-from kiln.parallel import generate_parallel, partition_heads, shard_tensor_parallel, sliceable
+from kiln.parallel import partition_heads, run_parallel, shard_tensor_parallel, sliceable
 from kiln.parallel.launch import free_port
 from kiln.parallel.pp import Stage, even_split, microbatch_bounds, split_stages
 from kiln.parallel.tp import DenseSlicer, HeadShard, RowParallel, local_kv_heads, partition_features
@@ -110,11 +110,11 @@ def test_a_middle_stage_releases_embeddings_and_head() -> None:
     assert sorted(stage.new_cache(1, 4).keys) == [1, 2]
 
 
-def test_generate_parallel_under_torchrun_with_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_run_parallel_under_torchrun_with_one_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
     for key, value in {**env, "MASTER_PORT": str(free_port())}.items():
         monkeypatch.setenv(key, value)
     prompt = prompts(2, 4, 256)
-    tokens = generate_parallel(factory(LLAMA), prompt, 5)
+    tokens = run_parallel(factory(LLAMA), prompt, 5).tokens
     expected, _ = greedy_reference(build(LLAMA, 0), prompt, 5)
     assert torch.equal(tokens, expected)

@@ -15,7 +15,7 @@
 // counting (decode_team.h): projections (q/k/v together, gate/up together), attention and
 // the head are split across threads; norms and pointwise steps (a few thousand floats)
 // run on thread 0.
-#include "woq.cpp"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_block, group_sums
+#include "woq.cpp"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 #include <cmath>
 #include <cstring>
@@ -29,22 +29,6 @@
 #include "decode_team.h"
 
 namespace kdec {
-
-// Blocks [b0, b1) of kBlockPanels panels of a woq layer: the body of woq.cpp's drive().
-template <template <int, int> class B, class Args>
-void woq_blocks(const Args& a, int64_t b0, int64_t b1) {
-  const int64_t panels = (a.N + wv::W - 1) / wv::W;
-  for (int64_t b = b0; b < b1; ++b) {
-    const int64_t first = b * kBlockPanels, end = std::min(panels, first + kBlockPanels);
-    for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
-      const int m = static_cast<int>(std::min<int64_t>(8, a.M - r0));
-      const int p = B<1, 1>::panels(m);
-      int64_t p0 = first;
-      for (; p0 + p <= end; p0 += p) run_block<B>(m, p, a, p0, r0);
-      for (; p0 < end; ++p0) run_block<B>(m, 1, a, p0, r0);
-    }
-  }
-}
 
 // One linear layer, y (M, N) = x (M, K) @ W.T, prepared as a Task of items (each a run of
 // blocks: 16 output rows for dense weights, kBlockPanels panels for INT8 / INT4).
@@ -98,11 +82,11 @@ struct LinearJob {
     } else if (j.l.kind == kLinInt8) {
       Int8Args a = j.i8;
       if (scratch) a.y = scratch;
-      woq_blocks<Int8Block>(a, b0, b1);
+      run_blocks<Int8Block>(a, b0, b1);
     } else {
       Int4Args a = j.i4;
       if (scratch) a.y = scratch;
-      woq_blocks<Int4Block>(a, b0, b1);
+      run_blocks<Int4Block>(a, b0, b1);
     }
   }
 

@@ -290,8 +290,25 @@ std::vector<float> group_sums(const float* x, int64_t M, int64_t K, int64_t g) {
   return out;
 }
 
-// All rows x all panels: parallel over groups of kBlockPanels panels; inside one, every
-// chunk of <= 8 rows re-reads the (L1-resident) panels, so DRAM streams the weights once.
+// Blocks [b0, b1) of kBlockPanels panels, all rows: inside a block every chunk of <= 8
+// rows re-reads the (L1-resident) panels, so DRAM streams the weights once. (Also the
+// unit of work of decode.cpp's linear layers.)
+template <template <int, int> class B, class Args>
+void run_blocks(const Args& a, int64_t b0, int64_t b1) {
+  const int64_t panels = (a.N + W - 1) / W;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t first = b * kBlockPanels, end = std::min(panels, first + kBlockPanels);
+    for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
+      const int m = static_cast<int>(std::min<int64_t>(8, a.M - r0));
+      const int p = B<1, 1>::panels(m);
+      int64_t p0 = first;
+      for (; p0 + p <= end; p0 += p) run_block<B>(m, p, a, p0, r0);
+      for (; p0 < end; ++p0) run_block<B>(m, 1, a, p0, r0);
+    }
+  }
+}
+
+// All rows x all panels: parallel over the blocks of kBlockPanels panels.
 template <template <int, int> class B, class Args>
 void drive(Args a) {
   std::vector<float> xt;
@@ -304,16 +321,7 @@ void drive(Args a) {
   int64_t nt = omp_in_parallel() ? 1 : omp_get_max_threads();
   nt = std::min({nt, blocks, std::max<int64_t>(1, a.N * a.K / kMinWeightsPerThread)});
 #pragma omp parallel for num_threads(nt) schedule(static) if (nt > 1)
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t first = b * kBlockPanels, end = std::min(panels, first + kBlockPanels);
-    for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
-      const int m = static_cast<int>(std::min<int64_t>(8, a.M - r0));
-      const int p = B<1, 1>::panels(m);
-      int64_t p0 = first;
-      for (; p0 + p <= end; p0 += p) run_block<B>(m, p, a, p0, r0);
-      for (; p0 < end; ++p0) run_block<B>(m, 1, a, p0, r0);
-    }
-  }
+  for (int64_t b = 0; b < blocks; ++b) run_blocks<B>(a, b, b + 1);
 }
 
 // ------------------------------------------------------------------ Python bindings
