@@ -16,6 +16,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch import Tensor
 
 from kiln.compress import (
     Int4WeightOnly,
@@ -127,13 +128,20 @@ def make_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
     return model
 
 
-def check_decode(model: Transformer, batch: int, prompt_len: int = 5, tol: float = TOL) -> None:
-    """Prefill + STEPS greedy steps: FastDecoder vs the eager model on its own cache."""
+def decode_case(
+    model: Transformer, ref: Transformer, batch: int, prompt_len: int
+) -> tuple[Tensor, FastDecoder, KVCache, int]:
+    """A seeded prompt (B, T), a FastDecoder of ``model`` and an empty cache of ``ref``
+    for T + STEPS positions."""
     torch.manual_seed(1)
     max_len = prompt_len + STEPS
     prompt = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len))
-    dec = FastDecoder(model, batch, max_len)
-    ref_cache = model.new_cache(batch, max_len)
+    return prompt, FastDecoder(model, batch, max_len), ref.new_cache(batch, max_len), max_len
+
+
+def check_decode(model: Transformer, batch: int, prompt_len: int = 5, tol: float = TOL) -> None:
+    """Prefill + STEPS greedy steps: FastDecoder vs the eager model on its own cache."""
+    prompt, dec, ref_cache, max_len = decode_case(model, model, batch, prompt_len)
     with torch.no_grad():
         expected = model(prompt, 0, ref_cache)
         assert_close_to_reference(dec.prefill(prompt), expected)
@@ -168,11 +176,7 @@ def check_decode_16bit(model: Transformer, batch: int, prompt_len: int = 5) -> N
     ref = copy.deepcopy(model)
     for p in ref.parameters():  # parameters only: compressed layers' buffers keep their dtypes
         p.data = p.data.float()
-    torch.manual_seed(1)
-    max_len = prompt_len + STEPS
-    prompt = torch.randint(0, model.cfg.vocab_size, (batch, prompt_len))
-    dec = FastDecoder(model, batch, max_len)
-    ref_cache = ref.new_cache(batch, max_len)
+    prompt, dec, ref_cache, max_len = decode_case(model, ref, batch, prompt_len)
     with torch.no_grad():
         tok = ref(prompt, 0, ref_cache)[:, -1].argmax(-1)
         round_cache_(ref_cache, dtype)
