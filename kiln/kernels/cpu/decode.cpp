@@ -10,11 +10,11 @@
 // head, soft-cap.
 // Linear layers: dense fp32 / bf16 / fp16 weights through decode_gemv.h, INT8 / INT4
 // weight-only through woq.cpp's kernels (included here: one copy of them). A bf16 / fp16
-// model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are fp32. Pointwise math uses kiln_vec.h. Threads: one
-// OpenMP region per step on torch's libgomp (the one thread pool), synchronised by work
-// counting (decode_team.h): projections (q/k/v together, gate/up together), attention and
-// the head are split across threads; norms and pointwise steps (a few thousand floats)
-// run on thread 0.
+// model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are
+// fp32. Pointwise math uses kiln_vec.h. Threads: one OpenMP region per step on torch's
+// libgomp (the one thread pool), synchronised by work counting (decode_team.h):
+// projections (q/k/v together, gate/up together), attention and the head are split across
+// threads; norms and pointwise steps (a few thousand floats) run on thread 0.
 #include "woq.cpp"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 #include <cmath>
