@@ -55,6 +55,7 @@ from kiln.kernels.cpu.decode import (
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Block, Norm, Transformer, rope_tables
 from kiln.runtime.hugepages import move_to_huge_pages_
+from kiln.runtime.upcast import fp32_linears
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}  # decode.cpp's codes
 NORMS = {"rms": 0, "layer": 1}
@@ -259,10 +260,12 @@ class FastDecoder:
     @torch.no_grad()
     def prefill(self, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, T) at positions start.. -> logits (B, T, V): the eager model, filling
-        this decoder's cache."""
+        this decoder's cache; a 16-bit model's linear layers multiply in fp32 (``upcast``:
+        3x faster than bf16 matmuls on a CPU without bf16 instructions)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.batch:
             raise ValueError(f"tokens must be ({self.batch}, T), got {tuple(tokens.shape)}")
-        return self.model(tokens, start, self.cache)
+        with fp32_linears(self.model):
+            return self.model(tokens, start, self.cache)
 
     def step(self, tokens: Tensor, pos: int) -> Tensor:
         """tokens (B,) at position ``pos`` (the cache holds 0..pos-1) -> logits (B, V) fp32."""
