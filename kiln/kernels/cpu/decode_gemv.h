@@ -49,6 +49,13 @@ struct DenseArgs {
 constexpr int32_t kHighHalves = static_cast<int32_t>(0xffff0000u);
 constexpr int64_t kBf16Prefetch = 1024;  // elements (2 KB) a bf16 row stream prefetches ahead
 
+// The 2W bf16 values at p as floats: the even-indexed ones, and the odd ones.
+KV_INLINE void widen_pairs(const uint16_t* p, kv::V& even, kv::V& odd) {
+  kv::VI bits;
+  std::memcpy(&bits, p, sizeof bits);
+  even = kv::as_float(bits << 16), odd = kv::as_float(bits & kHighHalves);
+}
+
 // xs (rows, K) = x with each full chunk of 2W columns split into its even then odd
 // elements; the last K % 2W columns copied as they are.
 inline void split_pairs(const float* x, int64_t rows, int64_t K, float* xs) {
@@ -83,17 +90,17 @@ inline void gemv_block(const DenseArgs& a, int64_t n0, int64_t r0) {
   if constexpr (S == kBF16) {  // 2W weights per load: even and odd elements (see split_pairs)
     const float* xs = a.xs + r0 * K;
     for (; k + 2 * W <= K; k += 2 * W) {
-      kv::VI bits[R];
+      V we[R], wo[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
-        std::memcpy(&bits[r], static_cast<const uint16_t*>(a.w) + w0 + r * K + k, sizeof(V));
+        widen_pairs(static_cast<const uint16_t*>(a.w) + w0 + r * K + k, we[r], wo[r]);
 #pragma GCC unroll 8
       for (int m = 0; m < M; ++m) {
         const V xe = kv::load(xs + m * K + k), xo = kv::load(xs + m * K + k + W);
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
-          acc[r][m] = kv::fma(kv::as_float(bits[r] << 16), xe, acc[r][m]);
-          acc[r][m] = kv::fma(kv::as_float(bits[r] & kHighHalves), xo, acc[r][m]);
+          acc[r][m] = kv::fma(we[r], xe, acc[r][m]);
+          acc[r][m] = kv::fma(wo[r], xo, acc[r][m]);
         }
       }
     }
@@ -150,18 +157,18 @@ inline void gemv_row(const DenseArgs& a, int64_t n) {
       _mm_prefetch(reinterpret_cast<const char*>(w + k + kBf16Prefetch), _MM_HINT_T0);
 #pragma GCC unroll 2
       for (int c = 0; c < 2; ++c) {
-        kv::VI bits;
-        std::memcpy(&bits, w + k + 2 * W * c, sizeof(V));
+        V we, wo;
+        widen_pairs(w + k + 2 * W * c, we, wo);
         const float* xs = a.xs + k + 2 * W * c;
-        acc[2 * c] = kv::fma(kv::as_float(bits << 16), kv::load(xs), acc[2 * c]);
-        acc[2 * c + 1] = kv::fma(kv::as_float(bits & kHighHalves), kv::load(xs + W), acc[2 * c + 1]);
+        acc[2 * c] = kv::fma(we, kv::load(xs), acc[2 * c]);
+        acc[2 * c + 1] = kv::fma(wo, kv::load(xs + W), acc[2 * c + 1]);
       }
     }
     if (k + 2 * W <= K) {
-      kv::VI bits;
-      std::memcpy(&bits, static_cast<const uint16_t*>(a.w) + w0 + k, sizeof(V));
-      acc[0] = kv::fma(kv::as_float(bits << 16), kv::load(a.xs + k), acc[0]);
-      acc[1] = kv::fma(kv::as_float(bits & kHighHalves), kv::load(a.xs + k + W), acc[1]);
+      V we, wo;
+      widen_pairs(w + k, we, wo);
+      acc[0] = kv::fma(we, kv::load(a.xs + k), acc[0]);
+      acc[1] = kv::fma(wo, kv::load(a.xs + k + W), acc[1]);
       k += 2 * W;
     }
   } else {
@@ -195,9 +202,8 @@ inline void gemv_row_m(const DenseArgs& a, int64_t n) {
     V lo, hi;  // the weights at k .. k + W (bf16: the even ones) and the next W (odd)
     const float* x = a.x;
     if constexpr (S == kBF16) {
-      kv::VI bits;
-      std::memcpy(&bits, static_cast<const uint16_t*>(a.w) + w0 + k, sizeof(V));
-      lo = kv::as_float(bits << 16), hi = kv::as_float(bits & kHighHalves), x = a.xs;
+      widen_pairs(static_cast<const uint16_t*>(a.w) + w0 + k, lo, hi);
+      x = a.xs;
     } else {
       lo = load_as<S>(a.w, w0 + k), hi = load_as<S>(a.w, w0 + k + W);
     }
