@@ -144,6 +144,8 @@ class FastDecoder:
     forces that many threads. ``huge_pages`` (default) first moves the model's parameters
     into transparent huge pages (``kiln.runtime.hugepages``: same values, fewer TLB misses
     per step); ``self.huge_pages`` then says how many bytes moved, or why none did.
+    ``max_chunk``: the most positions per sequence ``extend`` takes in one call (sizes the
+    workspace; a speculative verifier needs its draft length + 1).
     """
 
     def __init__(
@@ -153,13 +155,13 @@ class FastDecoder:
         max_len: int,
         threads: int | None = None,
         huge_pages: bool = True,
+        max_chunk: int = 8,
     ) -> None:
         if not isinstance(model, Transformer):
             raise DecodeUnsupported(f"FastDecoder runs a kiln Transformer, got {type(model)}")
-        if batch < 1 or max_len < 1 or (threads is not None and threads < 1):
-            raise ValueError(
-                f"batch, max_len and threads must be positive, got {batch}, {max_len}, {threads}"
-            )
+        if min(batch, max_len, max_chunk, threads or 1) < 1:
+            raise ValueError(f"batch, max_len, max_chunk and threads must be positive, got "
+                             f"{batch}, {max_len}, {max_chunk}, {threads}")  # fmt: skip
         cfg = model.cfg
         _check_tensors(model)
         self.huge_pages = "not asked for"
@@ -171,12 +173,14 @@ class FastDecoder:
         except (build.KilnCompileError, RuntimeError, OSError) as err:
             raise DecodeUnsupported(f"kiln's decode extension is unavailable: {err}") from err
         self.model, self.batch, self.max_len, self.threads = model, batch, max_len, threads
+        self.max_chunk = max_chunk
         self.vocab = cfg.vocab_size
         self.cache = model.new_cache(batch, max_len)
         d = self._describe(model, cfg)
         self._desc = d.to_tensor()
         self._keep = d.keep  # every tensor the descriptor points to
-        self._ws_floats = int(self._ext.workspace_floats(self._desc.data_ptr()))
+        rows = batch * max_chunk
+        self._ws_floats = int(self._ext.workspace_floats(self._desc.data_ptr(), rows))
         self._ws = torch.empty(self._ws_floats)
 
     def _describe(self, model: Transformer, cfg: ModelConfig) -> Descriptor:
@@ -269,12 +273,23 @@ class FastDecoder:
 
     def step(self, tokens: Tensor, pos: int) -> Tensor:
         """tokens (B,) at position ``pos`` (the cache holds 0..pos-1) -> logits (B, V) fp32."""
-        if tokens.shape != (self.batch,) or tokens.device.type != "cpu":
-            raise ValueError(f"tokens must be a CPU tensor ({self.batch},), got "
+        if tokens.shape != (self.batch,):
+            raise ValueError(f"tokens must be ({self.batch},), got {tuple(tokens.shape)}")
+        return self.extend(tokens.view(self.batch, 1), pos)[:, 0]
+
+    def extend(self, tokens: Tensor, pos: int) -> Tensor:
+        """tokens (B, T) at positions pos..pos+T-1 (the cache holds 0..pos-1; T <=
+        ``max_chunk``) -> logits (B, T, V) fp32, in one C++ call: every weight is read once
+        for all B*T rows, each position attends causally (speculative verification)."""
+        if tokens.dim() != 2 or tokens.shape[0] != self.batch or tokens.device.type != "cpu":
+            raise ValueError(f"tokens must be a CPU tensor ({self.batch}, T), got "
                              f"{tokens.device.type} {tuple(tokens.shape)}")  # fmt: skip
+        t = tokens.shape[1]
+        if not 1 <= t <= self.max_chunk:
+            raise ValueError(f"{t} positions per call; this decoder takes 1..{self.max_chunk}")
         if tokens.dtype != torch.int64 or not tokens.is_contiguous():
             tokens = tokens.to(torch.int64).contiguous()
-        logits = torch.empty(self.batch, self.vocab)  # (B, V)
-        self._ext.step(self._desc.data_ptr(), tokens.data_ptr(), pos, logits.data_ptr(),
+        logits = torch.empty(self.batch, t, self.vocab)  # (B, T, V)
+        self._ext.step(self._desc.data_ptr(), tokens.data_ptr(), pos, t, logits.data_ptr(),
                        self._ws.data_ptr(), self._ws_floats, self.threads or 0)  # fmt: skip
         return logits

@@ -3,7 +3,9 @@
 // decode.py builds the extension (plain g++, no torch headers) and encodes the model as a
 // flat int64 "descriptor" (layout in decode_desc.h; floats stored as their double bits,
 // tensors as data pointers that the Python side keeps alive). A step reads it, then for B
-// sequences at one position: embedding lookup, per layer norm -> q/k/v projections ->
+// sequences at T consecutive positions each (T = 1: plain decoding; T > 1: a draft's tokens
+// verified at once, each position attending causally to the cache and the ones before it),
+// one activation row per (sequence, position): embedding lookup, per layer norm -> q/k/v projections ->
 // (q/k norms) -> rotary (precomputed cos/sin rows) -> in-place KV-cache write ->
 // grouped-query attention over the filled prefix (sliding window, soft-cap) -> o projection
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
@@ -109,24 +111,35 @@ struct LinearJob {
   }
 };
 
-// Grouped-query attention at position `pos`: one item per (sequence, query head).
+// Rows of a step: B sequences x T consecutive positions from `pos`; row r = b * T + t is
+// sequence b at position pos + t.
+struct Rows {
+  int64_t B, T, pos;
+  int64_t n() const { return B * T; }
+  int64_t seq(int64_t r) const { return r / T; }
+  int64_t at(int64_t r) const { return pos + r % T; }
+};
+
+// Grouped-query attention: one item per (row, query head), over the row's sequence's cache
+// slots up to the row's own position (the rows' keys are all written before).
 struct AttentionJob {
   const Model* m;
   const Layer* l;
-  const float* q;  // (B, H, D)
-  float* att;      // (B, H, D)
-  float* scores;   // (B, H, max_len)
-  int64_t pos, lo;
+  const float* q;  // (R, H, D)
+  float* att;      // (R, H, D)
+  float* scores;   // (R, H, max_len)
+  Rows rows;
 
   // Item it: scores and output in the workspace, or (a helper) in scratch (S + D floats).
   static void run(const void* ctx, int64_t it, float* scratch) {
     const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
     const Model& m = *j.m;
-    const int64_t b = it / m.H, h = it % m.H;
-    const int64_t cache = ((b * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;  // (b, kv head, 0)
+    const int64_t r = it / m.H, h = it % m.H, p = j.rows.at(r);
+    const int64_t lo = j.l->window > 0 ? std::max<int64_t>(0, p - j.l->window + 1) : 0;
+    const int64_t cache = ((j.rows.seq(r) * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;
     float* scores = scratch ? scratch : j.scores + it * m.S;
     float* out = scratch ? scratch + m.S : j.att + it * m.D;
-    attend_head(m, j.q + it * m.D, j.l->kc, j.l->vc, cache, j.lo, j.pos, scores, out);
+    attend_head(m, j.q + it * m.D, j.l->kc, j.l->vc, cache, lo, p, scores, out);
   }
 
   static void commit(const void* ctx, int64_t it, const float* scratch) {
@@ -134,7 +147,9 @@ struct AttentionJob {
     std::memcpy(j.att + it * j.m->D, scratch + j.m->S, sizeof(float) * j.m->D);
   }
 
-  Task task() const { return Task{m->B * m->H, &AttentionJob::run, &AttentionJob::commit, this}; }
+  Task task() const {
+    return Task{rows.n() * m->H, &AttentionJob::run, &AttentionJob::commit, this};
+  }
 };
 
 // ------------------------------------------------------------------ the step
@@ -204,9 +219,9 @@ void linears(Team& team, Jobs& jobs, int64_t M, std::initializer_list<LinearCall
   for (size_t i = 0; i < n; ++i) jobs.linear[jobs.linear.size() - n + i].finish();
 }
 
-void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, int64_t pos,
+void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, const Rows& rows,
                 float* ws) {
-  const int64_t B = m.B, C = m.C, QD = m.H * m.D, KD = m.Hkv * m.D;
+  const int64_t B = rows.n(), C = m.C, QD = m.H * m.D, KD = m.Hkv * m.D;  // B: rows here
   float *x = ws, *h = x + B * C, *t = h + B * C, *q = t + B * C, *att = q + B * QD;
   float *k = att + B * QD, *v = k + B * KD, *g = v + B * KD, *u = g + B * m.F;
   float* scores = u + B * m.F;
@@ -214,16 +229,19 @@ void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, int64_t 
   linears(team, jobs, B, {{l.q, h, q}, {l.k, h, k}, {l.v, h, v}});
   if (l.q_norm.w) norm_rows(m, l.q_norm, q, q, B * m.H, m.D);
   if (l.k_norm.w) norm_rows(m, l.k_norm, k, k, B * m.Hkv, m.D);
-  if (l.cos) {
-    rotate(q, B * m.H, m.D, l.cos + pos * m.D, l.sin + pos * m.D);
-    rotate(k, B * m.Hkv, m.D, l.cos + pos * m.D, l.sin + pos * m.D);
+  for (int64_t r = 0; r < B; ++r) {
+    const int64_t p = rows.at(r);
+    if (l.cos) {
+      rotate(q + r * QD, m.H, m.D, l.cos + p * m.D, l.sin + p * m.D);
+      rotate(k + r * KD, m.Hkv, m.D, l.cos + p * m.D, l.sin + p * m.D);
+    }
+    for (int64_t h = 0; h < m.Hkv; ++h) {  // cache (B, Hkv, S, D): slot p of the row's sequence
+      const int64_t slot = ((rows.seq(r) * m.Hkv + h) * m.S + p) * m.D;
+      write_row(k + (r * m.Hkv + h) * m.D, l.kc, m.cache_storage, slot, m.D);
+      write_row(v + (r * m.Hkv + h) * m.D, l.vc, m.cache_storage, slot, m.D);
+    }
   }
-  for (int64_t bh = 0; bh < B * m.Hkv; ++bh) {  // cache (B, Hkv, S, D) at slot pos
-    write_row(k + bh * m.D, l.kc, m.cache_storage, (bh * m.S + pos) * m.D, m.D);
-    write_row(v + bh * m.D, l.vc, m.cache_storage, (bh * m.S + pos) * m.D, m.D);
-  }
-  const int64_t lo = l.window > 0 ? std::max<int64_t>(0, pos - l.window + 1) : 0;
-  jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, pos, lo});
+  jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, rows});
   team.run({jobs.attention.back().task()});
   linears(team, jobs, B, {{l.o, att, t}});
   if (l.post_attn.w) norm_rows(m, l.post_attn, t, t, B, C);
@@ -244,9 +262,10 @@ void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, int64_t 
 // Phases one layer runs (q/k/v, attention, o, gate/up, down); the head is one more.
 constexpr int64_t kPhasesPerLayer = 5;
 
-// One decode step on `threads` threads (0: automatic, see team_threads).
-std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, float* logits,
-                 float* ws, int64_t ws_floats, int64_t threads) {
+// One decode step of tokens (B, T) at positions pos..pos+T-1 -> logits (B, T, V), on
+// `threads` threads (0: automatic, see team_threads).
+std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_t T,
+                 float* logits, float* ws, int64_t ws_floats, int64_t threads) {
   Reader r{desc};
   Model m{};
   std::string err = read_model(r, m);
@@ -256,37 +275,39 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, float*
     err = read_layer(r, layers[li]);
     if (!err.empty()) return "layer " + std::to_string(li) + ": " + err;
   }
-  if (pos < 0 || pos >= m.S)
-    return "position " + std::to_string(pos) + " is outside the cache's " +
-           std::to_string(m.S) + " slots";
-  if (ws_floats < workspace_floats(m)) return "workspace is too small for this descriptor";
-  for (int64_t b = 0; b < m.B; ++b)
-    if (tokens[b] < 0 || tokens[b] >= m.Vocab)
-      return "token " + std::to_string(tokens[b]) + " is outside the vocabulary of " +
+  if (T < 1) return "a step needs at least one position per sequence, got " + std::to_string(T);
+  if (pos < 0 || pos + T > m.S)
+    return "positions " + std::to_string(pos) + ".." + std::to_string(pos + T - 1) +
+           " are outside the cache's " + std::to_string(m.S) + " slots";
+  const Rows rows{m.B, T, pos};
+  const int64_t B = rows.n(), C = m.C;  // B: activation rows, one per (sequence, position)
+  if (ws_floats < workspace_floats(m, B)) return "workspace is too small for this step";
+  for (int64_t r = 0; r < B; ++r)
+    if (tokens[r] < 0 || tokens[r] >= m.Vocab)
+      return "token " + std::to_string(tokens[r]) + " is outside the vocabulary of " +
              std::to_string(m.Vocab);
-  const int64_t B = m.B, C = m.C;
   float *x = ws, *h = x + B * C;
-  for (int64_t b = 0; b < B; ++b) {  // x = embed[token] * scale (+ pos_embed[pos]); h: scratch
-    float* xb = x + b * C;
-    read_row(m.embed, m.embed_storage, tokens[b] * C, xb, C);
+  for (int64_t r = 0; r < B; ++r) {  // x = embed[token] * scale (+ pos_embed[p]); h: scratch
+    float* xr = x + r * C;
+    read_row(m.embed, m.embed_storage, tokens[r] * C, xr, C);
     if (m.embed_scale != 1.0f)
-      for (int64_t i = 0; i < C; ++i) xb[i] *= m.embed_scale;
+      for (int64_t i = 0; i < C; ++i) xr[i] *= m.embed_scale;
     if (m.pos_embed) {
-      read_row(m.pos_embed, m.embed_storage, (pos + m.learned_offset) * C, h, C);
-      for (int64_t i = 0; i < C; ++i) xb[i] += h[i];
+      read_row(m.pos_embed, m.embed_storage, (rows.at(r) + m.learned_offset) * C, h, C);
+      for (int64_t i = 0; i < C; ++i) xr[i] += h[i];
     }
   }
   // A helper's scratch: one linear layer's (B, N) output, or one head's scores + output.
   const int64_t widest = std::max({m.Vocab, m.F, m.H * m.D, m.C});
   int64_t bytes = weight_bytes(m.head) +  // + the KV cache read
-                  2 * storage_bytes(m.cache_storage) * B * m.Hkv * (pos + 1) * m.D * m.L;
+                  2 * storage_bytes(m.cache_storage) * m.B * m.Hkv * (pos + T) * m.D * m.L;
   for (const Layer& l : layers)
     for (const Lin* lin : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down})
       bytes += weight_bytes(*lin);
   const int nt = team_threads(threads, bytes);
   const int64_t scratch = std::max(B * widest, m.S + m.D);
   in_team(nt, kPhasesPerLayer * m.L + 1, scratch, [&](Team& t, Jobs& j) {
-    for (const Layer& l : layers) layer_step(t, j, m, l, pos, ws);
+    for (const Layer& l : layers) layer_step(t, j, m, l, rows, ws);
     norm_rows(m, m.final_norm, x, h, B, C);
     linears(t, j, B, {{m.head, h, logits}});
   });
@@ -316,24 +337,25 @@ PyObject* released(const char* what, F&& f) {
   Py_RETURN_NONE;
 }
 
+// workspace_floats(desc, rows): scratch floats of a step of `rows` (sequence, position) rows.
 PyObject* py_workspace_floats(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[1];
-  if (!read_ints(args, nargs, 1, v, "workspace_floats")) return nullptr;
+  int64_t v[2];
+  if (!read_ints(args, nargs, 2, v, "workspace_floats")) return nullptr;
   Reader r{reinterpret_cast<const int64_t*>(v[0])};
   Model m{};
   const std::string err = read_model(r, m);
   if (!err.empty()) return PyErr_Format(PyExc_ValueError, "%s", err.c_str());
-  return PyLong_FromLongLong(workspace_floats(m));
+  return PyLong_FromLongLong(workspace_floats(m, v[1]));
 }
 
-// step(desc, tokens, pos, logits, workspace, workspace_floats, threads)
+// step(desc, tokens, pos, T, logits, workspace, workspace_floats, threads)
 PyObject* py_step(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[7];
-  if (!read_ints(args, nargs, 7, v, "step")) return nullptr;
+  int64_t v[8];
+  if (!read_ints(args, nargs, 8, v, "step")) return nullptr;
   return released("decode step", [&] {
     return step(reinterpret_cast<const int64_t*>(v[0]), reinterpret_cast<const int64_t*>(v[1]),
-                v[2], reinterpret_cast<float*>(v[3]), reinterpret_cast<float*>(v[4]), v[5],
-                v[6]);
+                v[2], v[3], reinterpret_cast<float*>(v[4]), reinterpret_cast<float*>(v[5]), v[6],
+                v[7]);
   });
 }
 
@@ -358,9 +380,9 @@ PyObject* py_decode_lanes(PyObject*, PyObject*) { return PyLong_FromLong(wv::W);
 #define KDEC_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
 PyMethodDef kDecodeMethods[] = {
     {"step", KDEC_FASTCALL(py_step), METH_FASTCALL,
-     "step(desc, tokens, pos, logits, workspace, workspace_floats, threads): one step"},
+     "step(desc, tokens, pos, T, logits, workspace, workspace_floats, threads): one step"},
     {"workspace_floats", KDEC_FASTCALL(py_workspace_floats), METH_FASTCALL,
-     "workspace_floats(desc): scratch floats a step of this descriptor needs"},
+     "workspace_floats(desc, rows): scratch floats of a step of `rows` rows"},
     {"linear", KDEC_FASTCALL(py_linear), METH_FASTCALL,
      "linear(record, x, M, y, threads): y = x @ W.T + bias for one LIN record"},
     {"lanes", py_decode_lanes, METH_NOARGS, "float lanes per vector (woq panel width)"},

@@ -113,10 +113,10 @@ std::string read_layer(Reader& r, Layer& l) {
   return "";
 }
 
-// Scratch floats a step needs: x, h, t (B, C); q, att (B, H*D); k, v (B, Hkv*D);
-// gate, up (B, F); attention scores (B, H, max_len).
-int64_t workspace_floats(const Model& m) {
-  return m.B * (3 * m.C + 2 * m.H * m.D + 2 * m.Hkv * m.D + 2 * m.F + m.H * m.S);
+// Scratch floats a step of R activation rows (B sequences x T positions) needs: x, h, t
+// (R, C); q, att (R, H*D); k, v (R, Hkv*D); gate, up (R, F); attention scores (R, H, max_len).
+int64_t workspace_floats(const Model& m, int64_t R) {
+  return R * (3 * m.C + 2 * m.H * m.D + 2 * m.Hkv * m.D + 2 * m.F + m.H * m.S);
 }
 
 }  // namespace kdec

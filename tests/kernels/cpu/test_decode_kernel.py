@@ -85,7 +85,7 @@ def test_dense_args_rejects_other_dtypes() -> None:
 def test_descriptor_magic_is_checked() -> None:
     bad = torch.zeros(64, dtype=torch.int64)
     with pytest.raises(ValueError, match="magic"):
-        decode.load_extension().workspace_floats(bad.data_ptr())
+        decode.load_extension().workspace_floats(bad.data_ptr(), 1)
 
 
 def test_descriptor_floats_are_double_bits() -> None:
