@@ -52,6 +52,7 @@ CONTENDERS: dict[str, str] = {
     "kiln-fast": "benchmarks.contenders.llm_kiln:kiln_fast",
     "kiln-int4": "benchmarks.contenders.llm_kiln:kiln_int4",
     "kiln-bf16": "benchmarks.contenders.llm_kiln:kiln_bf16",
+    "kiln-spec": "benchmarks.contenders.llm_kiln:kiln_spec",
 }
 
 

@@ -1,12 +1,14 @@
 """kiln as a decode contender (see ``benchmarks.decode_peers``).
 
-Four variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
+Five variants on SmolLM2, all loaded through ``kiln.models.load.load_model("smollm2")``:
 ``kiln-eager`` (the ``Transformer`` module op by op, fp32 dequantized weights), ``kiln-fast``
 (``kiln.runtime.decode.FastDecoder``, the same weights), ``kiln-bf16`` (``FastDecoder`` on
-those weights cast to bfloat16: 16-bit weights and cache, fp32 math) and ``kiln-int4``
+those weights cast to bfloat16: 16-bit weights and cache, fp32 math), ``kiln-int4``
 (``FastDecoder`` on the GGUF's Q4_1 weights kept packed, ``packed=True``, and the head
-quantized to INT8 per channel as llama.cpp reads its Q8_0 table). Both kiln modules are imported when a
-contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
+quantized to INT8 per channel as llama.cpp reads its Q8_0 table) and ``kiln-spec`` (the
+``kiln-fast`` model's greedy text by ``kiln.runtime.speculative``: an INT8 copy guesses
+``SPEC_GUESSES`` tokens, the fp32 model checks them in one call; batch 1). kiln modules
+are imported when a contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through
 ``KilnDecode``'s ``model`` argument or a factory of its own.
 """
@@ -48,17 +50,21 @@ def timed_greedy(
     return Generation(t1 - t0, t2 - t1, t2 - t0, out.tolist())
 
 
-Variant = Literal["eager", "fast", "int4", "bf16"]
+Variant = Literal["eager", "fast", "int4", "bf16", "spec"]
+SPEC_GUESSES = 4  # kiln-spec: draft tokens per round
 
 
 class KilnDecode:
     """kiln on SmolLM2: ``eager`` (the Transformer module, fp32 dequantized weights),
     ``fast`` (``FastDecoder``, same weights), ``bf16`` (``FastDecoder``, the weights in
-    bfloat16) or ``int4`` (``FastDecoder`` on the GGUF's packed 4-bit weights). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
+    bfloat16), ``int4`` (``FastDecoder`` on the GGUF's packed 4-bit weights) or ``spec``
+    (the fp32 ``fast`` model verifying an INT8 copy's guesses: ``SpeculativeDecoder``, batch
+    1 only). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
 
     def __init__(self, variant: Variant, model: Any = None) -> None:
         self.variant, self.model = variant, model
         self.decoders: dict[int, Any] = {}
+        self.spec: Any = None  # the SpeculativeDecoder of variant "spec"
 
     def prepare(self, batches: Sequence[int], max_len: int) -> dict[str, Any]:
         torch.set_num_threads(THREADS)
@@ -76,10 +82,21 @@ class KilnDecode:
             from kiln.runtime.decode import quantize_head_
 
             quantize_head_(self.model, Int8WeightOnly())
+        unsupported: dict[str, str] = {}
         if self.variant == "eager":
             from kiln.models.generate import EagerDecoder
 
             self.decoders = {b: EagerDecoder(self.model, b, max_len) for b in batches}
+        elif self.variant == "spec":
+            from kiln.runtime.decode import FastDecoder
+            from kiln.runtime.speculative import SpeculativeDecoder, quantized_draft
+
+            target = FastDecoder(self.model, 1, max_len, max_chunk=SPEC_GUESSES + 1)
+            draft = FastDecoder(quantized_draft(self.model), 1, max_len)
+            self.decoders = {1: target}
+            self.spec = SpeculativeDecoder(target, draft, SPEC_GUESSES)
+            unsupported = {str(b): "speculative decoding runs one sequence" for b in batches
+                           if b != 1}  # fmt: skip
         else:
             from kiln.runtime.decode import FastDecoder
 
@@ -87,9 +104,10 @@ class KilnDecode:
         from kiln.runtime.llm import weight_bytes_per_token
 
         cfg = self.model.cfg
-        cache = getattr(self.decoders[batches[0]], "cache", None)
+        first = min(self.decoders)
+        cache = getattr(self.decoders[first], "cache", None)
         if cache is not None and hasattr(cache, "nbytes"):
-            kv = cache.nbytes() // (batches[0] * cache.max_len)
+            kv = cache.nbytes() // (first * cache.max_len)
             kv_note = "measured from the decoder's cache"
         else:
             kv = kv_position_bytes(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, 4)
@@ -104,11 +122,34 @@ class KilnDecode:
             "weight_bytes": weight_bytes_per_token(self.model),
             "kv_bytes_per_position": kv,
             "kv_note": kv_note,
+            "unsupported": unsupported,
+            **(
+                {
+                    "bytes_note": "the fp32 target's bytes per emitted token: a round reads the "
+                    "INT8 draft k times and the target once for up to k + 1 tokens, so the "
+                    "share is effective, not read"
+                }
+                if self.variant == "spec"
+                else {}
+            ),
         }
 
     def generate(self, prompt: Sequence[int], n_new: int, batch: int) -> Generation:
+        if self.variant == "spec":
+            return self._speculate(prompt, n_new)
         dec = self.decoders[batch]
         return timed_greedy(dec.prefill, dec.step, prompt, n_new, batch)
+
+    def _speculate(self, prompt: Sequence[int], n_new: int) -> Generation:
+        """One greedy generation by ``SpeculativeDecoder``: TTFT = both prefills, decode =
+        the rounds after the first token."""
+        t0 = time.perf_counter()
+        gen = self.spec.generate(torch.tensor([list(prompt)]), n_new)
+        total = time.perf_counter() - t0
+        st = self.spec.stats
+        extra = {"acceptance": st.acceptance, "tokens_per_round": st.tokens_per_round,
+                 "guesses_per_round": self.spec.k, "draft": "INT8 per channel (head too)"}  # fmt: skip
+        return Generation(gen.ttft_s, sum(gen.step_s), total, gen.tokens.tolist(), extra)
 
 
 def kiln_eager() -> KilnDecode:
@@ -125,3 +166,7 @@ def kiln_int4() -> KilnDecode:
 
 def kiln_bf16() -> KilnDecode:
     return KilnDecode("bf16")
+
+
+def kiln_spec() -> KilnDecode:
+    return KilnDecode("spec")

@@ -130,6 +130,24 @@ def test_kiln_contender_on_tiny_model() -> None:
     assert gen.tokens == ref
 
 
+def test_kiln_spec_contender_on_tiny_model() -> None:
+    """kiln-spec: batch 1 only; the text is the fp32 model's greedy text."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        family="llama", vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
+        head_dim=8, intermediate_size=64, max_positions=64,
+    )  # fmt: skip
+    model = Transformer(cfg).eval()
+    prompt, n_new = [5, 17, 3, 40, 8], 9
+    ref = _no_cache_greedy(lambda s: model(s, 0, model.new_cache(s.shape[0], 64)), prompt, n_new, 1)
+    c = KilnDecode("spec", model=model)
+    facts = c.prepare([1, 4], len(prompt) + n_new)
+    assert set(facts["unsupported"]) == {"4"} and "effective" in facts["bytes_note"]
+    gen = c.generate(prompt, n_new, 1)
+    assert gen.tokens == ref and gen.decode_s > 0
+    assert 0.0 <= gen.extra["acceptance"] <= 1.0 and gen.extra["tokens_per_round"] >= 1.0
+
+
 def test_hf_contender_on_tiny_model() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 

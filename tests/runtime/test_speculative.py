@@ -1,0 +1,125 @@
+"""SpeculativeDecoder: the target's greedy text, whatever the draft guesses.
+
+The reference is plain greedy decoding of the same target (``generate`` over FastDecoder
+steps, itself tested against the eager model in test_decode.py), and the eager model for
+one case. Drafts: the INT8 copy (mostly right), the target itself (always right: every
+round emits k + 1 tokens) and an unrelated random model (mostly wrong: the target's own
+token every round). The models are untied: a tiny random model with a tied head mostly
+repeats its last token, which every draft guesses right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kiln.models.generate import EagerDecoder, generate
+from kiln.models.transformer import Transformer
+from kiln.runtime.decode import FastDecoder
+from kiln.runtime.speculative import SpeculativeDecoder, quantized_draft
+from tests.runtime.test_decode import CONFIGS, make_model
+
+N_NEW = 20
+PROMPT_LEN = 5
+TARGETS = {n: replace(CONFIGS[n], tie_embeddings=False) for n in CONFIGS}
+LLAMA = TARGETS["llama_gqa"]
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def prompt_of(model: Transformer) -> torch.Tensor:
+    torch.manual_seed(3)
+    return torch.randint(0, model.cfg.vocab_size, (1, PROMPT_LEN))
+
+
+def plain_greedy(model: Transformer, prompt: torch.Tensor, n: int, stops: tuple[int, ...] = ()
+                 ) -> torch.Tensor:  # fmt: skip
+    return generate(FastDecoder(model, 1, PROMPT_LEN + n), prompt, n, stop_ids=stops).tokens
+
+
+def speculate(model: Transformer, draft: Transformer, k: int, n: int = N_NEW,
+              stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, SpeculativeDecoder]:  # fmt: skip
+    max_len = PROMPT_LEN + n
+    spec = SpeculativeDecoder(
+        FastDecoder(model, 1, max_len, max_chunk=k + 1), FastDecoder(draft, 1, max_len), k
+    )
+    return spec.generate(prompt_of(model), n, stop_ids=stops).tokens, spec
+
+
+@pytest.mark.parametrize(
+    "name", ["llama_gqa", "sliding_softcap_gelu", "gpt2_layernorm", "opt_relu"]
+)
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_int8_draft_gives_the_targets_greedy_text(name: str, k: int) -> None:
+    model = make_model(TARGETS[name])
+    got, spec = speculate(model, quantized_draft(model), k)
+    ref = plain_greedy(model, prompt_of(model), N_NEW)
+    assert len(set(ref[0].tolist())) > N_NEW // 2  # a varied text, not one token repeated
+    assert torch.equal(got, ref)
+    st = spec.stats
+    assert st.accepted + st.rounds == N_NEW - 1  # every token after the first, once
+    assert st.drafted <= k * st.rounds
+
+
+def test_matches_the_eager_model() -> None:
+    model = make_model(LLAMA)
+    got, _ = speculate(model, quantized_draft(model), 3)
+    ref = generate(EagerDecoder(model, 1, PROMPT_LEN + N_NEW), prompt_of(model), N_NEW).tokens
+    assert torch.equal(got, ref)
+
+
+def test_a_perfect_draft_is_always_accepted() -> None:
+    model = make_model(LLAMA)
+    k = 4
+    got, spec = speculate(model, model, k)
+    assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
+    assert spec.stats.acceptance == 1.0
+    assert spec.stats.rounds == -(-(N_NEW - 1) // (k + 1))  # k + 1 tokens a round
+
+
+def test_a_wrong_draft_changes_nothing_but_speed() -> None:
+    model, other = make_model(LLAMA), make_model(LLAMA, seed=7)
+    got, spec = speculate(model, other, 3)
+    assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
+    assert spec.stats.acceptance < 0.5
+
+
+@pytest.mark.parametrize("n", [1, 2, 7])
+def test_short_generations(n: int) -> None:
+    model = make_model(LLAMA)
+    got, _ = speculate(model, model, 4, n=n)
+    assert got.shape == (1, n)
+    assert torch.equal(got, plain_greedy(model, prompt_of(model), n))
+
+
+def test_stops_after_a_stop_token() -> None:
+    model = make_model(LLAMA)
+    full = plain_greedy(model, prompt_of(model), N_NEW)[0].tolist()
+    stop = full[6]  # a token the text reaches mid-round
+    got, _ = speculate(model, model, 4, stops=(stop,))
+    assert got[0].tolist() == full[: full.index(stop) + 1]
+
+
+def test_bad_setups_raise() -> None:
+    model = make_model(LLAMA)
+    one = FastDecoder(model, 1, 16, max_chunk=4)
+    with pytest.raises(ValueError, match="one sequence"):
+        SpeculativeDecoder(FastDecoder(model, 2, 16), one, 2)
+    with pytest.raises(ValueError, match="max_chunk is 4"):
+        SpeculativeDecoder(one, one, 4)
+    with pytest.raises(ValueError, match=">= 1"):
+        SpeculativeDecoder(one, one, 0)
+    spec = SpeculativeDecoder(one, FastDecoder(model, 1, 16), 3)
+    with pytest.raises(ValueError, match="exceed the target's cache"):
+        spec.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+    with pytest.raises(ValueError, match=r"\(1, tokens\)"):
+        spec.generate(torch.zeros(2, 3, dtype=torch.long), 4)
