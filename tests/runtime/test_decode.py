@@ -31,6 +31,7 @@ from kiln.compress.configs import SemiStructured24
 from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
+from kiln.runtime import decode as decode_runtime
 from kiln.runtime.decode import DecodeUnsupported, FastDecoder, quantize_head_
 from tests.helpers import assert_close_to_reference
 
@@ -216,16 +217,21 @@ def test_quantized_layers_in_a_bf16_model(config: Int8WeightOnly | Int4WeightOnl
     check_decode_16bit(model, batch=2)
 
 
-def test_bf16_fast_steps_follow_bf16_prefill() -> None:
-    """End to end on the bf16 model alone (its own eager prefill, then fast steps): the
-    16-bit cache written by eager torch is read back by the C++ step; the logits stay
-    within bf16 arithmetic of the eager bf16 steps."""
+@pytest.mark.parametrize("eager_prefill", [True, False])
+def test_bf16_fast_steps_follow_bf16_prefill(
+    eager_prefill: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """End to end on the bf16 model alone (its prefill, eager or by C++ steps, then fast
+    steps): the 16-bit cache written by eager torch is read back by the C++ step; the logits
+    stay within bf16 arithmetic of the eager bf16 steps."""
+    if eager_prefill:
+        monkeypatch.setattr(decode_runtime, "STEP_PREFILL_MAX", 0)
     model = make_model(LLAMA).to(torch.bfloat16)
     prompt = torch.randint(0, LLAMA.vocab_size, (1, 6))
     dec = FastDecoder(model, 1, 12)
     ref_cache = model.new_cache(1, 12)
     with torch.no_grad():
-        prefill = dec.prefill(prompt)  # its linears in fp32 (kiln.runtime.upcast)
+        prefill = dec.prefill(prompt)  # eager: its linears in fp32 (kiln.runtime.upcast)
         native = model(prompt, 0, ref_cache)
         assert_close_to_reference(prefill.float(), native.float(), rtol_to_max=0.05)
         tok = prefill[:, -1].argmax(-1)
@@ -279,8 +285,9 @@ def test_threads_give_identical_steps(quantized: bool) -> None:
     assert torch.equal(runs[1], runs[0]) and torch.equal(runs[2], runs[0])
 
 
-def test_fast_and_eager_steps_mix() -> None:
+def test_fast_and_eager_steps_mix(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder's cache is the model's KVCache: an eager step can follow fast ones."""
+    monkeypatch.setattr(decode_runtime, "STEP_PREFILL_MAX", 0)  # every prefill eager
     model = make_model(LLAMA)
     dec = FastDecoder(model, 1, 12)
     ref_cache = model.new_cache(1, 12)

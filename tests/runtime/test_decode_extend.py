@@ -16,7 +16,7 @@ import torch
 
 from kiln.compress import Int4WeightOnly, quantize_
 from kiln.models.transformer import Transformer
-from kiln.runtime.decode import FastDecoder
+from kiln.runtime.decode import STEP_PREFILL_MAX, FastDecoder
 from tests.helpers import assert_close_to_reference
 from tests.runtime.test_decode import CONFIGS, LLAMA, TOL, make_model
 
@@ -31,18 +31,20 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(before)
 
 
-def check_extend(model: Transformer, batch: int, threads: int | None = None) -> None:
+def check_extend(
+    model: Transformer, batch: int, threads: int | None = None, chunks: tuple[int, ...] = CHUNKS
+) -> None:
     prompt_len = 4
-    max_len = prompt_len + sum(CHUNKS)
+    max_len = prompt_len + sum(chunks)
     torch.manual_seed(2)
     tokens = torch.randint(0, model.cfg.vocab_size, (batch, max_len))  # (B, S)
-    dec = FastDecoder(model, batch, max_len, threads=threads, max_chunk=max(CHUNKS))
+    dec = FastDecoder(model, batch, max_len, threads=threads, max_chunk=max(chunks))
     ref_cache = model.new_cache(batch, max_len)
     with torch.no_grad():
         model(tokens[:, :prompt_len], 0, ref_cache)
         dec.prefill(tokens[:, :prompt_len])
         pos = prompt_len
-        for t in CHUNKS:
+        for t in chunks:
             chunk = tokens[:, pos : pos + t]  # (B, t)
             ref = model(chunk, pos, ref_cache)  # (B, t, V)
             got = dec.extend(chunk, pos)
@@ -69,6 +71,12 @@ def test_extend_int4_two_threads() -> None:
     check_extend(model, 1, threads=2)
 
 
+def test_extend_many_rows_two_threads() -> None:
+    """4 sequences x 8 positions x 4 heads = 128 attention pairs: more than one task
+    takes as items, so an item runs several pairs (and a helper commits them at once)."""
+    check_extend(make_model(LLAMA), 4, threads=2, chunks=(8, 8))
+
+
 def test_extend_of_one_is_a_step() -> None:
     """step(tok, pos) is extend(tok[:, None], pos): the same call, bit for bit."""
     model = make_model(LLAMA)
@@ -87,3 +95,21 @@ def test_extend_bad_inputs_raise() -> None:
         dec.extend(torch.zeros(2, 3, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_chunk"):
         FastDecoder(make_model(LLAMA), 1, 8, max_chunk=0)
+
+
+@pytest.mark.parametrize("n", [STEP_PREFILL_MAX, STEP_PREFILL_MAX + 1])
+def test_prefill_by_steps_up_to_the_limit(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompts up to STEP_PREFILL_MAX tokens prefill by extend (max_chunk at a time), longer
+    ones by the eager model; both give the eager model's logits."""
+    model = make_model(LLAMA)
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, n))
+    dec = FastDecoder(model, 2, n + 1)
+    calls: list[int] = []
+    extend = dec.extend
+    monkeypatch.setattr(dec, "extend", lambda t, p: calls.append(t.shape[1]) or extend(t, p))
+    with torch.no_grad():
+        got = dec.prefill(tokens)
+        ref = model(tokens, 0, model.new_cache(2, n + 1))
+    assert_close_to_reference(got, ref, rtol_to_max=TOL)
+    expected = [8] * (n // 8) + ([n % 8] if n % 8 else [])
+    assert calls == (expected if n <= STEP_PREFILL_MAX else [])

@@ -120,8 +120,9 @@ struct Rows {
   int64_t at(int64_t r) const { return pos + r % T; }
 };
 
-// Grouped-query attention: one item per (row, query head), over the row's sequence's cache
-// slots up to the row's own position (the rows' keys are all written before).
+// Grouped-query attention of every (row, query head) pair, each over its row's sequence's
+// cache slots up to the row's own position (the rows' keys are all written before). An
+// item is a run of `per_item` consecutive pairs (attention_per_item).
 struct AttentionJob {
   const Model* m;
   const Layer* l;
@@ -129,28 +130,43 @@ struct AttentionJob {
   float* att;      // (R, H, D)
   float* scores;   // (R, H, max_len)
   Rows rows;
+  int64_t per_item;
 
-  // Item it: scores and output in the workspace, or (a helper) in scratch (S + D floats).
-  static void run(const void* ctx, int64_t it, float* scratch) {
+  int64_t pairs() const { return rows.n() * m->H; }
+
+  // Item i: scores and outputs in the workspace, or (a helper) in scratch: one pair's
+  // scores (S floats), then the item's outputs (per_item * D).
+  static void run(const void* ctx, int64_t i, float* scratch) {
     const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
     const Model& m = *j.m;
-    const int64_t r = it / m.H, h = it % m.H, p = j.rows.at(r);
-    const int64_t lo = j.l->window > 0 ? std::max<int64_t>(0, p - j.l->window + 1) : 0;
-    const int64_t cache = ((j.rows.seq(r) * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;
-    float* scores = scratch ? scratch : j.scores + it * m.S;
-    float* out = scratch ? scratch + m.S : j.att + it * m.D;
-    attend_head(m, j.q + it * m.D, j.l->kc, j.l->vc, cache, lo, p, scores, out);
+    const int64_t p0 = i * j.per_item, p1 = std::min(j.pairs(), p0 + j.per_item);
+    for (int64_t it = p0; it < p1; ++it) {
+      const int64_t r = it / m.H, h = it % m.H, p = j.rows.at(r);
+      const int64_t lo = j.l->window > 0 ? std::max<int64_t>(0, p - j.l->window + 1) : 0;
+      const int64_t cache = ((j.rows.seq(r) * m.Hkv + h / (m.H / m.Hkv)) * m.S) * m.D;
+      float* scores = scratch ? scratch : j.scores + it * m.S;
+      float* out = scratch ? scratch + m.S + (it - p0) * m.D : j.att + it * m.D;
+      attend_head(m, j.q + it * m.D, j.l->kc, j.l->vc, cache, lo, p, scores, out);
+    }
   }
 
-  static void commit(const void* ctx, int64_t it, const float* scratch) {
+  static void commit(const void* ctx, int64_t i, const float* scratch) {
     const AttentionJob& j = *static_cast<const AttentionJob*>(ctx);
-    std::memcpy(j.att + it * j.m->D, scratch + j.m->S, sizeof(float) * j.m->D);
+    const int64_t p0 = i * j.per_item, p1 = std::min(j.pairs(), p0 + j.per_item);
+    std::memcpy(j.att + p0 * j.m->D, scratch + j.m->S, sizeof(float) * (p1 - p0) * j.m->D);
   }
 
   Task task() const {
-    return Task{rows.n() * m->H, &AttentionJob::run, &AttentionJob::commit, this};
+    return Task{(pairs() + per_item - 1) / per_item, &AttentionJob::run, &AttentionJob::commit,
+                this};
   }
 };
+
+// (row, head) pairs per attention item: at most split_items items for `threads` threads.
+int64_t attention_per_item(const Model& m, const Rows& rows, int threads) {
+  const int64_t pairs = rows.n() * m.H, n = split_items(pairs, threads);
+  return (pairs + n - 1) / n;
+}
 
 // ------------------------------------------------------------------ the step
 // Jobs of one step: they outlive the region (a late helper may still read one).
@@ -241,7 +257,8 @@ void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, const Ro
       write_row(v + (r * m.Hkv + h) * m.D, l.vc, m.cache_storage, slot, m.D);
     }
   }
-  jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, rows});
+  const int64_t per_item = attention_per_item(m, rows, jobs.threads);
+  jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, rows, per_item});
   team.run({jobs.attention.back().task()});
   linears(team, jobs, B, {{l.o, att, t}});
   if (l.post_attn.w) norm_rows(m, l.post_attn, t, t, B, C);
@@ -297,7 +314,8 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
       for (int64_t i = 0; i < C; ++i) xr[i] += h[i];
     }
   }
-  // A helper's scratch: one linear layer's (B, N) output, or one head's scores + output.
+  // A helper's scratch: one linear layer's (B, N) output, or an attention item's scores and
+  // outputs.
   const int64_t widest = std::max({m.Vocab, m.F, m.H * m.D, m.C});
   int64_t bytes = weight_bytes(m.head) +  // + the KV cache read
                   2 * storage_bytes(m.cache_storage) * m.B * m.Hkv * (pos + T) * m.D * m.L;
@@ -305,7 +323,7 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
     for (const Lin* lin : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down})
       bytes += weight_bytes(*lin);
   const int nt = team_threads(threads, bytes);
-  const int64_t scratch = std::max(B * widest, m.S + m.D);
+  const int64_t scratch = std::max(B * widest, m.S + attention_per_item(m, rows, nt) * m.D);
   in_team(nt, kPhasesPerLayer * m.L + 1, scratch, [&](Team& t, Jobs& j) {
     for (const Layer& l : layers) layer_step(t, j, m, l, rows, ws);
     norm_rows(m, m.final_norm, x, h, B, C);
