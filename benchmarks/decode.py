@@ -211,10 +211,12 @@ def run_decode(
     quiet_busy: float = 0.25,
     prepare_timeout_s: float = 900.0,
     round_timeout_s: float = 600.0,
+    tag: str = "",
     log: Any = print,
 ) -> dict[str, Any]:
     """Run the side-by-side decode benchmark, write JSON + markdown, return the result
-    (``result["path"]`` and ``result["markdown_path"]`` name the files)."""
+    (``result["path"]`` and ``result["markdown_path"]`` name the files: decode-DEVICE-DATE,
+    then ``-tag`` when given, so a second run the same day keeps the first)."""
     if n_new < 2:
         raise ValueError(f"n_new must be >= 2 to time a decode step, got {n_new}")
     ids = prompt_ids if prompt_ids is not None else tokenize_prompt(prompt)
@@ -280,7 +282,7 @@ def run_decode(
     check_schema(result)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{result['device']['slug']}-{now:%Y%m%d}.json"
+    path = out / f"decode-{result['device']['slug']}-{now:%Y%m%d}{'-' + tag if tag else ''}.json"
     result["path"], result["markdown_path"] = str(path), str(path.with_suffix(".md"))
     path.write_text(json.dumps(result, indent=1, default=str))
     path.with_suffix(".md").write_text(render_markdown(result))
@@ -320,6 +322,13 @@ def render_markdown(result: dict[str, Any]) -> str:
         elif facts.get("unsupported"):
             lines.append(f"\n{name}: batches {', '.join(facts['unsupported'])} not run "
                          f"({next(iter(facts['unsupported'].values()))})")  # fmt: skip
+        if facts.get("bytes_note"):
+            lines.append(f"\n{name}: MB/step and bandwidth share are {facts['bytes_note']}")
+    for e in result["results"]:
+        acc = e.get("extra", {}).get("acceptance")
+        if acc is not None:
+            lines.append(f"\n{e['contender']} b{e['batch']}: {acc:.0%} of the draft's guesses "
+                         f"accepted, {e['extra']['tokens_per_round']:.2f} tokens a round")  # fmt: skip
     lines.append(f"\nBytes per step: {result['conventions']['bytes_per_step']}. Co-tenant busy: "
                  "share of all CPUs other processes used during the best round.")  # fmt: skip
     return "\n".join(lines) + "\n"
@@ -335,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    p.add_argument("--tag", default="", help="file name suffix: decode-DEVICE-DATE-TAG.json")
     p.add_argument("--from-result", default=None, help="render this result JSON, run nothing")
     args = p.parse_args(argv)
     # SIGTERM ends the run through SystemExit, so the workers are closed on the way out
@@ -345,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_decode(
             [c for c in args.contenders.split(",") if c],
             [int(b) for b in args.batches.split(",") if b],
-            args.n_new, args.repeats, args.prompt, args.out,
+            args.n_new, args.repeats, args.prompt, args.out, tag=args.tag,
         )  # fmt: skip
         print(f"wrote {result['path']} and {result['markdown_path']}")
     print(render_markdown(result))

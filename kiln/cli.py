@@ -171,6 +171,7 @@ def _generate_options(
     checkpoint: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None,
     top_p: float | None, seed: int | None, dtype: str, engine: str, unpacked: bool, head: str,
     tp: int, pp: int, split: str, microbatches: int, offload: str | None, chat: bool,
+    speculate: int = 0,
 ) -> Any:  # fmt: skip
     from kiln.models.generate import Sampling
     from kiln.runtime.llm import GenerateRequest
@@ -180,7 +181,7 @@ def _generate_options(
         return GenerateRequest(
             checkpoint, prompt, max_new_tokens, Sampling(temperature, top_k, top_p, seed),
             dtype, not unpacked, head, engine, tp, pp, stages, microbatches,
-            offload, chat,
+            offload, chat, speculate=speculate,
         )  # fmt: skip
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
@@ -231,6 +232,11 @@ _SPLIT = typer.Option("", help="layers per pipeline stage, e.g. 16,14 (default: 
 _MB = typer.Option(1, help="pipeline micro-batches")
 _OFFLOAD = typer.Option(None, help="folder: stream block weights from disk through it")
 _CHAT = typer.Option(False, help="wrap the prompt in the tokenizer's chat template")
+_SPEC = typer.Option(
+    0,
+    help="K > 0: an INT8 copy guesses K tokens a round, the model checks them in one step "
+    "(same greedy text; float weights: --unpacked for a GGUF)",
+)
 
 
 @app.command()
@@ -240,14 +246,15 @@ def generate(
     seed: int | None = _SEED, dtype: str = _DTYPE, engine: str = _ENGINE,
     unpacked: bool = _UNPACKED, head: str = _HEAD, tp: int = _TP, pp: int = _PP,
     split: str = _SPLIT, microbatches: int = _MB, offload: str | None = _OFFLOAD,
-    chat: bool = _CHAT,
+    chat: bool = _CHAT, speculate: int = _SPEC,
 ) -> None:  # fmt: skip
     """Generate text from CHECKPOINT and print it with its timing: load time, time to first
     token, per-token latency, tokens/s and the share of memory bandwidth the weights took.
 
     One process runs kiln's fast C++ decode step when it can (else the eager model, saying
-    why); --offload streams each block's weights from disk; --tp/--pp start ranks as
-    `kiln run` does. A GGUF's 4-bit layers stay packed unless --unpacked."""
+    why); --speculate K decodes greedily with an INT8 draft checked K tokens at a time;
+    --offload streams each block's weights from disk; --tp/--pp start ranks as `kiln run`
+    does. A GGUF's 4-bit layers stay packed unless --unpacked."""
     _show_generation(
         _generate_options(
             checkpoint,
@@ -267,6 +274,7 @@ def generate(
             microbatches,
             offload,
             chat,
+            speculate,
         )  # fmt: skip
     )
 

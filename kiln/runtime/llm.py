@@ -6,6 +6,8 @@ the path and reports what it did:
     tensor-parallel shards inside pipeline stages; greedy decoding;
   - ``offload="disk"``: every block's weights streamed from a file one block ahead
     (``kiln.parallel.offload``), run by the eager model;
+  - ``speculate=k``: the fast step verifying k guesses a round of an INT8 copy of the model
+    (``kiln.runtime.speculative``): the same greedy text, fewer full weight reads;
   - otherwise the fast C++ decode step (``kiln.runtime.decode.FastDecoder``) when it can run
     the model, else the eager model — the reason is reported, never hidden.
 A packed GGUF (4-bit linear layers) gets an INT8 head by default: the tied fp32 head alone
@@ -53,6 +55,7 @@ class GenerateRequest:
     offload: str | None = None  # a folder: stream block weights from disk through it
     chat: bool = False  # wrap the prompt in the tokenizer's chat template
     timeout_s: float = 120.0  # parallel: longest stretch without progress on any rank
+    speculate: int = 0  # > 0: guesses per round of an INT8 draft (greedy, float weights)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -70,6 +73,13 @@ class GenerateRequest:
             raise ValueError("offloading runs in one process: drop --offload or --tp/--pp")
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 guesses, got {self.speculate}")
+        if self.speculate and (self.parallel or self.offload or self.engine == "eager"):
+            raise ValueError("speculative decoding runs the fast step in one process: drop "
+                             "--speculate or --tp/--pp/--offload/--engine eager")  # fmt: skip
+        if self.speculate and not self.sampling.greedy:
+            raise ValueError("speculative decoding is greedy: drop --temperature or --speculate")
 
     @property
     def parallel(self) -> bool:
@@ -168,6 +178,10 @@ def generate_text(
     nbytes = weight_bytes_per_token(loaded.model)
     if request.parallel:
         gen, engine = _generate_parallel(request, prompt, progress)
+    elif request.speculate:
+        gen, engine = _generate_speculative(loaded.model, request, prompt, stops, progress)
+        notes.append("tokens/s and GB/s count emitted tokens: a round reads the INT8 draft "
+                     "k times and the model once")  # fmt: skip
     else:
         if request.offload:
             from kiln.parallel.offload import offload_
@@ -202,3 +216,26 @@ def _generate_parallel(
     steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
     gen = Generation(out.tokens[:, prompt.shape[1] :], prompt.shape[1], ends[0], steps)
     return gen, f"tp={request.tp} x pp={request.pp} ranks ({backend}), eager stages"
+
+
+def _generate_speculative(
+    model: Transformer, request: GenerateRequest, prompt: torch.Tensor,
+    stops: tuple[int, ...], progress: Callable[[str], None],
+) -> tuple[Generation, str]:  # fmt: skip
+    """Greedy text of ``model`` by ``SpeculativeDecoder`` with an INT8 copy as the draft."""
+    from kiln.runtime.decode import FastDecoder
+    from kiln.runtime.speculative import SpeculativeDecoder, quantized_draft
+
+    if any(isinstance(m, CompressedLinear) for m in model.modules()):
+        raise ValueError("--speculate drafts with an INT8 copy of float weights; this model is "
+                         "already compressed (a packed GGUF: add --unpacked)")  # fmt: skip
+    k, max_len = request.speculate, prompt.shape[1] + request.max_new_tokens
+    progress("quantizing the INT8 draft")
+    draft = FastDecoder(quantized_draft(model), 1, max_len)
+    spec = SpeculativeDecoder(FastDecoder(model, 1, max_len, max_chunk=k + 1), draft, k)
+    progress(f"generating: fast C++ step verifying {k} INT8 guesses a round")
+    gen = spec.generate(prompt, request.max_new_tokens, stops)
+    st = spec.stats
+    engine = (f"fast C++ decode step, speculative: {k} INT8-draft guesses a round, "
+              f"{st.acceptance:.0%} accepted, {st.tokens_per_round:.2f} tokens a round")  # fmt: skip
+    return gen, engine

@@ -88,6 +88,13 @@ def test_tensor_parallel_ranks_match_transformers(checkpoint: Path, reference: l
     assert len(result.generation.step_s) == NEW - 1
 
 
+def test_speculative_matches_transformers(checkpoint: Path, reference: list[int]) -> None:
+    result = generate_text(request(checkpoint, speculate=3))
+    assert result.generation.tokens[0].tolist() == reference
+    assert "speculative" in result.engine and "accepted" in result.engine
+    assert len(result.generation.step_s) == NEW - 1
+
+
 def test_requests_that_cannot_run_are_refused(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="greedy"):
         request(checkpoint, tp=2, sampling=Sampling(temperature=0.7))
@@ -95,6 +102,10 @@ def test_requests_that_cannot_run_are_refused(checkpoint: Path) -> None:
         request(checkpoint, pp=2, offload="x")
     with pytest.raises(ValueError, match="engine"):
         request(checkpoint, engine="turbo")
+    with pytest.raises(ValueError, match="speculative decoding is greedy"):
+        request(checkpoint, speculate=2, sampling=Sampling(temperature=0.7))
+    with pytest.raises(ValueError, match="one process"):
+        request(checkpoint, speculate=2, tp=2)
 
 
 def test_cli_prints_text_and_timing(checkpoint: Path) -> None:
