@@ -191,8 +191,12 @@ def _show_generation(request: Any) -> None:
     from kiln.hardware import load_profile
     from kiln.runtime.llm import generate_text
 
-    with console.status("loading") as status:
-        result = generate_text(request, progress=lambda text: status.update(text))
+    try:
+        with console.status("loading") as status:
+            result = generate_text(request, progress=lambda text: status.update(text))
+    except ValueError as err:  # a checkpoint or request kiln cannot run: say what, no trace
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        raise typer.Exit(2) from None
     gen = result.generation
     console.print(f"[bold]{request.prompt}[/bold]{result.text}", highlight=False)
     for note in result.notes:

@@ -117,6 +117,8 @@ def test_cli_prints_text_and_timing(checkpoint: Path) -> None:
     assert "tokens/s" in res.output and "time to first token" in res.output
     bad = CliRunner().invoke(app, ["generate", str(checkpoint), "--engine", "turbo"], env=env)
     assert bad.exit_code != 0 and "engine" in bad.output
+    missing = CliRunner().invoke(app, ["generate", str(checkpoint / "nope.gguf")], env=env)
+    assert missing.exit_code == 2 and "error:" in missing.output and "nope.gguf" in missing.output
 
 
 def test_cli_prints_the_torchrun_line_for_several_machines(checkpoint: Path) -> None:
