@@ -55,6 +55,8 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
     torch.set_num_threads(THREADS)
     loaded = load_model("smollm2", torch.float32, packed=False)
     model = loaded.model.eval()
+    if loaded.tokenizer is None:
+        raise RuntimeError("SmolLM2's GGUF loaded without its tokenizer")
     windows = prompt_windows(evaluation_tokens(loaded.tokenizer, 20_000), prompts, prompt_len)
     max_len = prompt_len + n_new
     plain = FastDecoder(model, 1, max_len)
@@ -92,15 +94,16 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
         }
         for k in guesses
     }
-    result = {
+    device = {**cpu, "slug": system.device_slug(cpu)}
+    result: dict[str, Any] = {
         "kind": "speculative", "date": now.isoformat(timespec="seconds"),
-        "device": {**cpu, "slug": system.device_slug(cpu)}, "threads": THREADS,
+        "device": device, "threads": THREADS,
         "model": "SmolLM2-135M fp32 (GGUF Q4_1 dequantized), draft INT8 per channel",
         "prompts": prompts, "prompt_len": prompt_len, "n_new": n_new, "repeats": repeats,
         "text": "Pride and Prejudice, first 20,000 tokens", "rows": rows, "summary": summary,
     }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"speculative-{result['device']['slug']}-{now:%Y%m%d}.json"
+    path = out_dir / f"speculative-{device['slug']}-{now:%Y%m%d}.json"
     result["path"] = str(path)
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(render_markdown(result))
