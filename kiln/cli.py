@@ -239,7 +239,8 @@ _CHAT = typer.Option(False, help="wrap the prompt in the tokenizer's chat templa
 _SPEC = typer.Option(
     0,
     help="K > 0: an INT8 copy guesses K tokens a round, the model checks them in one step "
-    "(same greedy text; float weights: --unpacked for a GGUF)",
+    "(same greedy text, or the same distribution when sampling; float weights: --unpacked for "
+    "a GGUF)",
 )
 
 
@@ -256,7 +257,7 @@ def generate(
     token, per-token latency, tokens/s and the share of memory bandwidth the weights took.
 
     One process runs kiln's fast C++ decode step when it can (else the eager model, saying
-    why); --speculate K decodes greedily with an INT8 draft checked K tokens at a time;
+    why); --speculate K decodes with an INT8 draft whose guesses are checked K at a time;
     --offload streams each block's weights from disk; --tp/--pp start ranks as `kiln run`
     does. A GGUF's 4-bit layers stay packed unless --unpacked."""
     _show_generation(

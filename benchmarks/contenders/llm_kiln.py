@@ -51,7 +51,7 @@ def timed_greedy(
 
 
 Variant = Literal["eager", "fast", "int4", "bf16", "spec"]
-SPEC_GUESSES = 4  # kiln-spec: draft tokens per round
+SPEC_GUESSES = 8  # kiln-spec: draft tokens per round (best median of 2-10, benchmarks.speculative)
 
 
 class KilnDecode:

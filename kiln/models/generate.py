@@ -78,6 +78,12 @@ def choose(logits: Tensor, sampling: Sampling, generator: torch.Generator | None
     """Next tokens (B,) from logits (B, V)."""
     if sampling.greedy:
         return logits.argmax(-1)
+    return torch.multinomial(probabilities(logits, sampling), 1, generator=generator)[:, 0]
+
+
+def probabilities(logits: Tensor, sampling: Sampling) -> Tensor:
+    """The distribution (B, V) a sampled token is drawn from: softmax(logits / temperature)
+    within the top-k tokens and the top-p mass (``sampling`` must not be greedy)."""
     scores = logits.float() / sampling.temperature
     if sampling.top_k is not None and sampling.top_k < scores.shape[-1]:
         kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]  # (B, 1)
@@ -87,8 +93,7 @@ def choose(logits: Tensor, sampling: Sampling, generator: torch.Generator | None
         before = ordered.softmax(-1).cumsum(-1) - ordered.softmax(-1)  # mass of better tokens
         ordered = ordered.masked_fill(before >= sampling.top_p, -torch.inf)  # keeps the best one
         scores = torch.full_like(scores, -torch.inf).scatter(-1, order, ordered)
-    probs = scores.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    return scores.softmax(-1)
 
 
 @dataclass

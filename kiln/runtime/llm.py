@@ -7,7 +7,8 @@ the path and reports what it did:
   - ``offload="disk"``: every block's weights streamed from a file one block ahead
     (``kiln.parallel.offload``), run by the eager model;
   - ``speculate=k``: the fast step verifying k guesses a round of an INT8 copy of the model
-    (``kiln.runtime.speculative``): the same greedy text, fewer full weight reads;
+    (``kiln.runtime.speculative``): the same greedy text (sampled: the same distribution),
+    fewer full weight reads;
   - otherwise the fast C++ decode step (``kiln.runtime.decode.FastDecoder``) when it can run
     the model, else the eager model — the reason is reported, never hidden.
 A packed GGUF (4-bit linear layers) gets an INT8 head by default: the tied fp32 head alone
@@ -55,7 +56,7 @@ class GenerateRequest:
     offload: str | None = None  # a folder: stream block weights from disk through it
     chat: bool = False  # wrap the prompt in the tokenizer's chat template
     timeout_s: float = 120.0  # parallel: longest stretch without progress on any rank
-    speculate: int = 0  # > 0: guesses per round of an INT8 draft (greedy, float weights)
+    speculate: int = 0  # > 0: guesses per round of an INT8 draft (float weights)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -78,8 +79,6 @@ class GenerateRequest:
         if self.speculate and (self.parallel or self.offload or self.engine == "eager"):
             raise ValueError("speculative decoding runs the fast step in one process: drop "
                              "--speculate or --tp/--pp/--offload/--engine eager")  # fmt: skip
-        if self.speculate and not self.sampling.greedy:
-            raise ValueError("speculative decoding is greedy: drop --temperature or --speculate")
 
     @property
     def parallel(self) -> bool:
@@ -234,7 +233,7 @@ def _generate_speculative(
     draft = FastDecoder(quantized_draft(model), 1, max_len)
     spec = SpeculativeDecoder(FastDecoder(model, 1, max_len, max_chunk=k + 1), draft, k)
     progress(f"generating: fast C++ step verifying {k} INT8 guesses a round")
-    gen = spec.generate(prompt, request.max_new_tokens, stops)
+    gen = spec.generate(prompt, request.max_new_tokens, stops, sampling=request.sampling)
     st = spec.stats
     engine = (f"fast C++ decode step, speculative: {k} INT8-draft guesses a round, "
               f"{st.acceptance:.0%} accepted, {st.tokens_per_round:.2f} tokens a round")  # fmt: skip

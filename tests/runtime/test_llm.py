@@ -93,6 +93,10 @@ def test_speculative_matches_transformers(checkpoint: Path, reference: list[int]
     assert result.generation.tokens[0].tolist() == reference
     assert "speculative" in result.engine and "accepted" in result.engine
     assert len(result.generation.step_s) == NEW - 1
+    sampled = generate_text(request(checkpoint, speculate=3, sampling=Sampling(0.8, seed=0)))
+    again = generate_text(request(checkpoint, speculate=3, sampling=Sampling(0.8, seed=0)))
+    assert sampled.generation.tokens.shape == (1, NEW)
+    assert torch.equal(sampled.generation.tokens, again.generation.tokens)  # seeded
 
 
 def test_requests_that_cannot_run_are_refused(checkpoint: Path) -> None:
@@ -102,8 +106,6 @@ def test_requests_that_cannot_run_are_refused(checkpoint: Path) -> None:
         request(checkpoint, pp=2, offload="x")
     with pytest.raises(ValueError, match="engine"):
         request(checkpoint, engine="turbo")
-    with pytest.raises(ValueError, match="speculative decoding is greedy"):
-        request(checkpoint, speculate=2, sampling=Sampling(temperature=0.7))
     with pytest.raises(ValueError, match="one process"):
         request(checkpoint, speculate=2, tp=2)
 

@@ -1,4 +1,5 @@
-"""SpeculativeDecoder: the target's greedy text, whatever the draft guesses.
+"""SpeculativeDecoder: the target's greedy text (or its sampling distribution), whatever
+the draft guesses.
 
 The reference is plain greedy decoding of the same target (``generate`` over FastDecoder
 steps, itself tested against the eager model in test_decode.py), and the eager model for
@@ -16,10 +17,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kiln.models.generate import EagerDecoder, generate
+from kiln.models.generate import EagerDecoder, Sampling, generate
 from kiln.models.transformer import Transformer
 from kiln.runtime.decode import FastDecoder
-from kiln.runtime.speculative import SpeculativeDecoder, quantized_draft
+from kiln.runtime.speculative import SpeculativeDecoder, accept_or_resample, quantized_draft
 from tests.runtime.test_decode import CONFIGS, make_model
 
 N_NEW = 20
@@ -123,3 +124,63 @@ def test_bad_setups_raise() -> None:
         spec.generate(torch.zeros(1, 10, dtype=torch.long), 8)
     with pytest.raises(ValueError, match=r"\(1, tokens\)"):
         spec.generate(torch.zeros(2, 3, dtype=torch.long), 4)
+
+
+def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
+    return 0.5 * float((a - b).abs().sum())
+
+
+def test_accept_or_resample_keeps_the_target_distribution() -> None:
+    """Speculative sampling's guarantee on fixed distributions (V = 6, k = 2): the first
+    emitted token follows p[0], the second (after a kept guess) p[1], whatever q is."""
+    gen = torch.Generator().manual_seed(0)
+    p = torch.softmax(2 * torch.randn(3, 6, generator=gen), -1)  # (k + 1, V)
+    q = torch.softmax(2 * torch.randn(2, 6, generator=gen), -1)  # (k, V)
+    n = 20_000
+    first, second = torch.zeros(6), torch.zeros(6)
+    for _ in range(n):
+        guesses = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
+        new, kept = accept_or_resample(p, q, guesses, gen)
+        assert len(new) == kept + 1 and new[:kept] == guesses[:kept]
+        first[new[0]] += 1
+        if kept >= 1:
+            second[new[1]] += 1
+    assert total_variation(q[0], p[0]) > 0.2  # the draft alone would fail the check below
+    assert total_variation(first / n, p[0]) < 0.02
+    assert total_variation(second / second.sum(), p[1]) < 0.03
+
+
+def test_sampled_text_follows_the_target_distribution() -> None:
+    """End to end on a 12-token vocabulary with an unrelated draft (k = 1): the second new
+    token's frequencies over 3000 seeded runs match its exact probability under the target,
+    sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), computed by the eager model."""
+    cfg = replace(LLAMA, vocab_size=12)
+    model, other = make_model(cfg), make_model(cfg, seed=5)
+    sampling = Sampling(temperature=1.0)
+    prompt = torch.tensor([[3, 7, 1]])
+    with torch.no_grad():
+        p1 = model(prompt, 0, model.new_cache(1, 4))[0, -1].softmax(-1)  # (V,)
+        both = torch.cat([prompt.repeat(12, 1), torch.arange(12)[:, None]], 1)  # (V, 4)
+        p2 = model(both, 0, model.new_cache(12, 4))[:, -1].softmax(-1)  # (V, V)
+    exact = p1 @ p2  # (V,)
+    spec = SpeculativeDecoder(FastDecoder(model, 1, 6, max_chunk=2), FastDecoder(other, 1, 6), 1)
+    counts = torch.zeros(12)
+    n = 3000
+    for seed in range(n):  # 3 new tokens: the first round (k = 1) emits the second
+        out = spec.generate(prompt, 3, sampling=replace(sampling, seed=seed)).tokens
+        counts[out[0, 1]] += 1
+    assert spec.stats.drafted == 1
+    assert total_variation(counts / n, exact) < 0.05
+
+
+def test_sampling_is_seeded_and_a_perfect_draft_is_kept() -> None:
+    model = make_model(LLAMA)
+    spec = SpeculativeDecoder(
+        FastDecoder(model, 1, PROMPT_LEN + N_NEW, max_chunk=5),
+        FastDecoder(model, 1, PROMPT_LEN + N_NEW), 4,
+    )  # fmt: skip
+    sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=11)
+    a = spec.generate(prompt_of(model), N_NEW, sampling=sampling).tokens
+    assert spec.stats.acceptance > 0.9  # p and q equal up to summation order
+    b = spec.generate(prompt_of(model), N_NEW, sampling=sampling).tokens
+    assert torch.equal(a, b) and a.shape == (1, N_NEW)
