@@ -44,6 +44,8 @@ from kiln.compress.modules import Int4Linear, Int8Linear
 from kiln.compress.verbs import quantize_
 from kiln.kernels.cpu import build
 from kiln.kernels.cpu.decode import (
+    KIND_INT4,
+    KIND_INT8,
     LAYER_END,
     LAYOUT_MAGIC,
     STORAGE,
@@ -56,7 +58,7 @@ from kiln.kernels.cpu.decode import (
 )
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Block, Norm, Transformer, rope_tables
-from kiln.runtime.hugepages import move_to_huge_pages_
+from kiln.runtime.hugepages import copy_to_huge_pages, move_to_huge_pages_
 from kiln.runtime.upcast import fp32_linears
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}  # decode.cpp's codes
@@ -142,14 +144,29 @@ def quantize_head_(model: Transformer, config: Int8WeightOnly | Int4WeightOnly) 
     quantize_(model, config, filter_fn=lambda mod, name: name == "lm_head")
 
 
+def _packed_to_huge_pages(d: Descriptor) -> str:
+    """Move the INT8 / INT4 layers' repacked weights (made for this descriptor, so outside
+    the model's huge pages) into huge pages too: the INT8 draft of SmolLM2 steps ~15%
+    faster. Returns what moved, for ``FastDecoder.huge_pages``."""
+    packed = [i for i, (_, a) in enumerate(d.linears) if a.kind in (KIND_INT8, KIND_INT4)]
+    if not packed:
+        return ""
+    copies, why = copy_to_huge_pages([d.linears[i][1].weight for i in packed])
+    for i, weight in zip(packed, copies, strict=False):
+        d.relocate(i, weight)
+    moved = sum(w.numel() * w.element_size() for w in copies)
+    return f"; packed weights: {moved / 2**20:.0f} MiB moved" if copies else f"; packed: {why}"
+
+
 class FastDecoder:
     """Decode ``batch`` sequences of up to ``max_len`` tokens of ``model`` in C++ steps.
 
     ``threads``: None (default) uses torch's thread count (libgomp's pool), or 1 when a step
     streams less than a few MB (waking a second thread costs more than it saves); a number
-    forces that many threads. ``huge_pages`` (default) first moves the model's parameters
-    into transparent huge pages (``kiln.runtime.hugepages``: same values, fewer TLB misses
-    per step); ``self.huge_pages`` then says how many bytes moved, or why none did.
+    forces that many threads. ``huge_pages`` (default) first moves the model's parameters,
+    then the INT8 / INT4 weights the decoder repacks, into transparent huge pages
+    (``kiln.runtime.hugepages``: same values, fewer TLB misses per step);
+    ``self.huge_pages`` then says how many bytes moved, or why none did.
     ``max_chunk``: the most positions per sequence ``extend`` takes in one call (sizes the
     workspace; a speculative verifier needs its draft length + 1).
     """
@@ -183,8 +200,10 @@ class FastDecoder:
         self.vocab = cfg.vocab_size
         self.cache = model.new_cache(batch, max_len)
         d = self._describe(model, cfg)
+        if huge_pages:
+            self.huge_pages += _packed_to_huge_pages(d)
         self._desc = d.to_tensor()
-        self._keep = d.keep  # every tensor the descriptor points to
+        self._keep = (d.keep, d.linears)  # every tensor the descriptor points to
         rows = batch * max_chunk
         self._ws_floats = int(self._ext.workspace_floats(self._desc.data_ptr(), rows))
         self._ws = torch.empty(self._ws_floats)

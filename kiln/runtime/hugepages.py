@@ -20,7 +20,7 @@ import ctypes
 import ctypes.util
 import functools
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -75,6 +75,23 @@ def _aligned(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def copy_to_huge_pages(tensors: Sequence[Tensor]) -> tuple[list[Tensor], str]:
+    """Copies of the CPU ``tensors`` (same values, dtypes and shapes, contiguous), together
+    in one huge-page arena; ([], why) when huge pages cannot be had."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    arena, why = huge_page_arena(sum(_aligned(n) for n in sizes))
+    if arena is None:
+        return [], why
+    copies, offset = [], 0
+    with torch.no_grad():
+        for t, size in zip(tensors, sizes, strict=True):
+            view = arena[offset : offset + size].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            copies.append(view)
+            offset += _aligned(size)
+    return copies, ""
+
+
 def move_to_huge_pages_(module: nn.Module) -> tuple[int, str]:
     """Move ``module``'s CPU parameters into one huge-page arena, in place.
 
@@ -84,20 +101,13 @@ def move_to_huge_pages_(module: nn.Module) -> tuple[int, str]:
     params = [p for p in params if not _moved(p)]
     if not params:
         return 0, "no CPU parameters outside huge pages"
-    nbytes = sum(_aligned(p.numel() * p.element_size()) for p in params)
-    arena, why = huge_page_arena(nbytes)
-    if arena is None:
+    copies, why = copy_to_huge_pages([p.data for p in params])
+    if not copies:
         return 0, why
-    offset = 0
-    with torch.no_grad():
-        for p in params:
-            size = p.numel() * p.element_size()
-            view = arena[offset : offset + size].view(p.dtype).view(p.shape)
-            view.copy_(p.data)
-            p.data = view
-            _MOVED[id(p)] = weakref.ref(p)
-            offset += _aligned(size)
-    return offset, ""
+    for p, view in zip(params, copies, strict=True):
+        p.data = view
+        _MOVED[id(p)] = weakref.ref(p)
+    return sum(_aligned(p.numel() * p.element_size()) for p in params), ""
 
 
 # The parameters moved so far, by id (a parameter whose .data is later replaced is not

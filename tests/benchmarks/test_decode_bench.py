@@ -111,13 +111,17 @@ def _no_cache_greedy(logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: 
     return seq[:, len(prompt) :].tolist()
 
 
-def test_kiln_contender_on_tiny_model() -> None:
+def tiny_model() -> Transformer:
     torch.manual_seed(0)
     cfg = ModelConfig(
         family="llama", vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
         head_dim=8, intermediate_size=64, max_positions=64,
     )  # fmt: skip
-    model = Transformer(cfg).eval()
+    return Transformer(cfg).eval()
+
+
+def test_kiln_contender_on_tiny_model() -> None:
+    model = tiny_model()
     prompt, n_new = [5, 17, 3, 40, 8], 6
     c = KilnDecode("eager", model=model)
     facts = c.prepare([1, 2], len(prompt) + n_new)
@@ -132,12 +136,7 @@ def test_kiln_contender_on_tiny_model() -> None:
 
 def test_kiln_spec_contender_on_tiny_model() -> None:
     """kiln-spec: batch 1 only; the text is the fp32 model's greedy text."""
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama", vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
-        head_dim=8, intermediate_size=64, max_positions=64,
-    )  # fmt: skip
-    model = Transformer(cfg).eval()
+    model = tiny_model()
     prompt, n_new = [5, 17, 3, 40, 8], 9
     ref = _no_cache_greedy(lambda s: model(s, 0, model.new_cache(s.shape[0], 64)), prompt, n_new, 1)
     c = KilnDecode("spec", model=model)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -103,15 +102,7 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """The eager reference on one thread: its tiny ops each open an OpenMP region, and on a
-    loaded 2-core machine a 2-thread region can wait milliseconds for its second thread
-    (the C++ step's own threading is tested with explicit ``threads``)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(cfg: ModelConfig, seed: int = 0) -> Transformer:

@@ -9,8 +9,6 @@ cache: logits within TOL of their largest magnitude, greedy tokens and caches eq
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -23,12 +21,7 @@ from tests.runtime.test_decode import CONFIGS, LLAMA, TOL, make_model
 CHUNKS = (3, 1, 4, 2, 5)  # 15 positions after a 4-token prompt
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def check_extend(
@@ -106,7 +99,12 @@ def test_prefill_by_steps_up_to_the_limit(n: int, monkeypatch: pytest.MonkeyPatc
     dec = FastDecoder(model, 2, n + 1)
     calls: list[int] = []
     extend = dec.extend
-    monkeypatch.setattr(dec, "extend", lambda t, p: calls.append(t.shape[1]) or extend(t, p))
+
+    def counted(t: torch.Tensor, pos: int) -> torch.Tensor:
+        calls.append(t.shape[1])
+        return extend(t, pos)
+
+    monkeypatch.setattr(dec, "extend", counted)
     with torch.no_grad():
         got = dec.prefill(tokens)
         ref = model(tokens, 0, model.new_cache(2, n + 1))

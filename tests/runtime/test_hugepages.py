@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from kiln.compress import Int4WeightOnly, quantize_
+from kiln.kernels.cpu.decode import KIND_INT4, Descriptor, dense_args
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
 from kiln.runtime import hugepages
@@ -70,3 +72,32 @@ def test_fast_decoder_reports_what_moved() -> None:
     dec = FastDecoder(model, 1, 8)
     assert dec.huge_pages.endswith("MiB moved") == HAVE_THP, dec.huge_pages
     assert FastDecoder(model, 1, 8, huge_pages=False).huge_pages == "not asked for"
+
+
+@pytest.mark.skipif(not HAVE_THP, reason="transparent huge pages are off here")
+def test_packed_weights_move_and_steps_are_unchanged() -> None:
+    """An INT4 model's repacked weights (made by the decoder, outside the model's arena)
+    move into huge pages too; the step's logits are bit-identical either way."""
+    model = Transformer(CFG).eval()
+    quantize_(model, Int4WeightOnly(group_size=32))
+    moved, kept = FastDecoder(model, 1, 8), FastDecoder(model, 1, 8, huge_pages=False)
+    assert "packed weights:" in moved.huge_pages and moved.huge_pages.endswith("MiB moved")
+    for dec, in_arena in ((moved, True), (kept, False)):
+        for _, args in dec._keep[1]:  # (first word, LinearArgs) of every linear record
+            if args.kind == KIND_INT4:  # a view into the shared arena, or its own storage
+                assert (args.weight.untyped_storage().nbytes() > args.weight.nbytes) == in_arena
+    tok = torch.tensor([5])
+    torch.testing.assert_close(moved.step(tok, 0), kept.step(tok, 0), rtol=0, atol=0)
+
+
+def test_relocate_checks_the_copy() -> None:
+    d = Descriptor()
+    d.linear(dense_args(torch.randn(4, 3), None))
+    with pytest.raises(ValueError, match="differs"):
+        d.relocate(0, torch.zeros(3, 4))
+    w = torch.randn(4, 3)
+    d.relocate(0, w)
+    assert d.words[4] == w.data_ptr() and d.linears[0][1].weight is w
+    assert d.to_tensor()[4] == w.data_ptr()
+    with pytest.raises(RuntimeError, match="after to_tensor"):
+        d.relocate(0, torch.randn(4, 3))

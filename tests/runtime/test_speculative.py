@@ -11,7 +11,6 @@ repeats its last token, which every draft guesses right.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -29,12 +28,7 @@ TARGETS = {n: replace(CONFIGS[n], tie_embeddings=False) for n in CONFIGS}
 LLAMA = TARGETS["llama_gqa"]
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def prompt_of(model: Transformer) -> torch.Tensor:

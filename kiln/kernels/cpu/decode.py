@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -174,7 +174,9 @@ class Descriptor:
     """The int64 descriptor of a model under construction (decode.cpp's layout)."""
 
     words: list[int] = field(default_factory=list)
-    keep: list[object] = field(default_factory=list)  # tensors and records pointed to
+    keep: list[object] = field(default_factory=list)  # tensors pointed to
+    linears: list[tuple[int, LinearArgs]] = field(default_factory=list)  # (first word, record)
+    sealed: bool = False  # to_tensor was called: a snapshot points at the current tensors
 
     def ints(self, *values: int) -> None:
         self.words.extend(int(v) for v in values)
@@ -201,8 +203,22 @@ class Descriptor:
         if args is None:
             self.words.extend(NO_LINEAR)
             return
-        self.keep.append(args)
+        self.linears.append((len(self.words), args))
         self.words.extend(args.record())
 
+    def relocate(self, index: int, weight: Tensor) -> None:
+        """Point linear record ``index`` (of ``linears``) at ``weight``, a copy of its weight
+        elsewhere in memory (same dtype, shape and bytes); the old one is then released."""
+        if self.sealed:
+            raise RuntimeError("relocate after to_tensor: the snapshot would keep the old weight")
+        at, args = self.linears[index]
+        if weight.dtype != args.weight.dtype or weight.shape != args.weight.shape:
+            raise ValueError(f"relocated weight {weight.dtype} {tuple(weight.shape)} differs "
+                             f"from {args.weight.dtype} {tuple(args.weight.shape)}")  # fmt: skip
+        self.linears[index] = (at, replace(args, weight=weight))
+        self.words[at + 4] = weight.data_ptr()  # the record's weight pointer
+
     def to_tensor(self) -> Tensor:
+        """The descriptor as C++ reads it: a snapshot, so no record may move afterwards."""
+        self.sealed = True
         return torch.tensor(self.words, dtype=torch.int64)
