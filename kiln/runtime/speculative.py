@@ -178,15 +178,20 @@ class SpeculativeDecoder:
     ) -> tuple[list[int], Tensor | None]:
         """k draft tokens after ``token`` at ``pos``, and (sampling) the draft's distributions
         q (k, V) they were drawn from. ``pending``: the previous round's last guess (at
-        pos - 1), accepted but never fed to the draft."""
+        pos - 1), accepted but never fed to the draft: a FastDecoder draft takes it and
+        ``token`` in one call (one weight pass, not two)."""
         if k == 0:  # the last token: the target alone
             return [], None
-        if pending is not None:
-            self.draft.step(pending, pos - 1)
         guesses: list[int] = []
         qs: list[Tensor] = []
         for i in range(k):
-            logits = self.draft.step(token, pos + i)  # (1, V)
+            if i == 0 and pending is not None and isinstance(self.draft, FastDecoder):
+                both = torch.stack([pending, token], 1)  # (1, 2) at pos - 1, pos
+                logits = self.draft.extend(both, pos - 1)[:, -1]  # (1, V)
+            else:
+                if i == 0 and pending is not None:
+                    self.draft.step(pending, pos - 1)
+                logits = self.draft.step(token, pos + i)  # (1, V)
             if self._sampling.greedy:
                 token = logits.argmax(-1)  # (1,)
             else:

@@ -81,6 +81,18 @@ def test_a_perfect_draft_is_always_accepted() -> None:
     assert spec.stats.rounds == -(-(N_NEW - 1) // (k + 1))  # k + 1 tokens a round
 
 
+def test_any_decoder_can_draft() -> None:
+    """An eager draft (no extend: a kept round's last guess is fed by a step of its own)."""
+    model = make_model(LLAMA)
+    max_len = PROMPT_LEN + N_NEW
+    spec = SpeculativeDecoder(
+        FastDecoder(model, 1, max_len, max_chunk=4), EagerDecoder(model, 1, max_len), 3
+    )
+    got = spec.generate(prompt_of(model), N_NEW).tokens
+    assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
+    assert spec.stats.acceptance == 1.0
+
+
 def test_a_wrong_draft_changes_nothing_but_speed() -> None:
     model, other = make_model(LLAMA), make_model(LLAMA, seed=7)
     got, spec = speculate(model, other, 3)
