@@ -51,7 +51,7 @@ def timed_greedy(
 
 
 Variant = Literal["eager", "fast", "int4", "bf16", "spec"]
-SPEC_GUESSES = 8  # kiln-spec: draft tokens per round (best median of 2-10, benchmarks.speculative)
+SPEC_GUESSES = 8  # kiln-spec: guesses a round (6-8 best over 8 prompts: benchmarks.speculative)
 
 
 class KilnDecode:
