@@ -1,8 +1,8 @@
 """Speculative decoding: a cheap draft guesses, the model checks k guesses at once.
 
 A decode step is bound by reading the weights (SmolLM2-135M fp32: 540 MB per token), and
-reading them for 4 rows costs little more than for 1 (``decode_gemv.h`` streams each
-weight row once for up to 4 activation rows). So a small, fast *draft* model proposes k
+reading them for a few rows costs little more than for 1 (``decode_gemv.h`` streams each
+weight once for all rows: 9 rows took 1.5x one row's time). So a small, fast *draft* model proposes k
 tokens one step at a time, and the *target* scores the current token and all k guesses in
 one ``FastDecoder.extend`` call (k + 1 positions, causal). The target's greedy choice at each
 position is kept while it agrees with the draft; at the first disagreement the target's own
@@ -26,7 +26,6 @@ agreed with the fp32 model on 89-100% of its guesses; an INT4 draft (symmetric, 
 Caches: both decoders write keys and values for positions they process; a rejected guess
 leaves stale slots beyond the accepted prefix, which the next round overwrites before any
 position attends to them (attention reads slots up to its own position only).
-
 """
 
 from __future__ import annotations
@@ -134,9 +133,9 @@ class SpeculativeDecoder:
         sampling: Sampling = GREEDY,
     ) -> Generation:
         """Extend ``prompt`` (1, T) by up to ``max_new_tokens`` (stopping after a token of
-        ``stop_ids``), greedily or sampled as ``sampling`` says (its seed seeds the draws). ``step_s`` gives each token of a round an equal share of
-        the round's time, so ``tokens_per_s`` is tokens / decode time; ``ttft_s`` covers
-        both prefills."""
+        ``stop_ids``), greedily or sampled as ``sampling`` says (its seed seeds the draws).
+        ``step_s`` gives each token of a round an equal share of the round's time, so
+        ``tokens_per_s`` is tokens / decode time; ``ttft_s`` covers both prefills."""
         if prompt.ndim != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
             raise ValueError(f"prompt must be (1, tokens), got {tuple(prompt.shape)}")
         if max_new_tokens < 1:

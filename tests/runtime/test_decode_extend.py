@@ -90,10 +90,11 @@ def test_extend_bad_inputs_raise() -> None:
         FastDecoder(make_model(LLAMA), 1, 8, max_chunk=0)
 
 
-@pytest.mark.parametrize("n", [STEP_PREFILL_MAX, STEP_PREFILL_MAX + 1])
+@pytest.mark.parametrize("n", [STEP_PREFILL_MAX // 2, STEP_PREFILL_MAX // 2 + 1])
 def test_prefill_by_steps_up_to_the_limit(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Prompts up to STEP_PREFILL_MAX tokens prefill by extend (max_chunk at a time), longer
-    ones by the eager model; both give the eager model's logits."""
+    """Prompts of up to STEP_PREFILL_MAX rows (here 2 sequences x n tokens) prefill by
+    extend, max_chunk rows (4 positions) a call; longer ones by the eager model; both give
+    the eager model's logits."""
     model = make_model(LLAMA)
     tokens = torch.randint(0, LLAMA.vocab_size, (2, n))
     dec = FastDecoder(model, 2, n + 1)
@@ -109,5 +110,5 @@ def test_prefill_by_steps_up_to_the_limit(n: int, monkeypatch: pytest.MonkeyPatc
         got = dec.prefill(tokens)
         ref = model(tokens, 0, model.new_cache(2, n + 1))
     assert_close_to_reference(got, ref, rtol_to_max=TOL)
-    expected = [8] * (n // 8) + ([n % 8] if n % 8 else [])
-    assert calls == (expected if n <= STEP_PREFILL_MAX else [])
+    expected = [4] * (n // 4) + ([n % 4] if n % 4 else [])
+    assert calls == (expected if 2 * n <= STEP_PREFILL_MAX else [])
