@@ -19,9 +19,8 @@ Usage::
 
 A prompt of up to ``STEP_PREFILL_MAX`` rows (batch x tokens) is prefilled by C++ steps of
 up to ``max_chunk`` rows (``extend``); a longer one by the eager model, whose matmuls then
-win. The
-prefill and every step share ``dec.cache`` (the model's own KVCache), so eager and fast
-steps can be mixed. The decoder points at the model's tensors as they are when it is
+win. The prefill and every step share ``dec.cache`` (the model's own KVCache), so eager
+and fast steps can be mixed. The decoder points at the model's tensors as they are when it is
 built: build it after the last change to the model (quantize_ etc.). One decoder runs one
 step at a time (its workspace is shared; the step releases the GIL). A model the C++ step cannot run exactly (a linear layer of
 another kind — 2:4 sparse, low-rank —, weights of another dtype, a non-CPU device, shapes that
@@ -155,10 +154,12 @@ def _packed_to_huge_pages(d: Descriptor) -> str:
     if not packed:
         return ""
     copies, why = copy_to_huge_pages([d.linears[i][1].weight for i in packed])
-    for i, weight in zip(packed, copies, strict=False):
+    if not copies:
+        return f"; packed weights: {why}"
+    for i, weight in zip(packed, copies, strict=True):
         d.relocate(i, weight)
     moved = sum(w.numel() * w.element_size() for w in copies)
-    return f"; packed weights: {moved / 2**20:.0f} MiB moved" if copies else f"; packed: {why}"
+    return f"; packed weights: {moved / 2**20:.0f} MiB moved"
 
 
 class FastDecoder:
@@ -293,8 +294,9 @@ class FastDecoder:
     def prefill(self, tokens: Tensor, start: int = 0) -> Tensor:
         """tokens (B, T) at positions start.. -> logits (B, T, V), filling this decoder's
         cache: by ``extend`` steps of up to ``max_chunk`` rows when B x T <=
-        ``STEP_PREFILL_MAX``, else by the eager model, whose 16-bit linear layers then multiply in fp32
-        (``upcast``: 3x faster than bf16 matmuls on a CPU without bf16 instructions)."""
+        ``STEP_PREFILL_MAX``, else by the eager model, whose 16-bit linear layers then
+        multiply in fp32 (``upcast``: 3x faster than bf16 matmuls on a CPU without bf16
+        instructions)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.batch:
             raise ValueError(f"tokens must be ({self.batch}, T), got {tuple(tokens.shape)}")
         n, c = tokens.shape[1], max(1, self.max_chunk // self.batch)  # positions a call

@@ -113,14 +113,18 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
     """Apply the head option in place; return notes saying what changed."""
     model = loaded.model
-    compressed = any(isinstance(m, CompressedLinear) for m in model.layers.modules())
-    int8_head = request.head == "int8" or (request.head == "auto" and compressed)
+    int8_head = request.head == "int8" or (request.head == "auto" and _compressed(model))
     if not int8_head or isinstance(model.lm_head, CompressedLinear):
         return []
     from kiln.runtime.decode import quantize_head_
 
     quantize_head_(model, Int8WeightOnly())
     return ["head quantized to INT8 per channel (untied from the fp32 embedding table)"]
+
+
+def _compressed(model: Transformer) -> bool:
+    """Whether any block's linear layer is compressed (a packed GGUF, a kiln checkpoint)."""
+    return any(isinstance(m, CompressedLinear) for m in model.layers.modules())
 
 
 def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
@@ -221,11 +225,12 @@ def _generate_speculative(
     model: Transformer, request: GenerateRequest, prompt: torch.Tensor,
     stops: tuple[int, ...], progress: Callable[[str], None],
 ) -> tuple[Generation, str]:  # fmt: skip
-    """Greedy text of ``model`` by ``SpeculativeDecoder`` with an INT8 copy as the draft."""
+    """``model``'s text (greedy or sampled as the request says) by ``SpeculativeDecoder``,
+    with an INT8 copy of it as the draft."""
     from kiln.runtime.decode import FastDecoder
     from kiln.runtime.speculative import SpeculativeDecoder, quantized_draft
 
-    if any(isinstance(m, CompressedLinear) for m in model.modules()):
+    if _compressed(model) or isinstance(model.lm_head, CompressedLinear):
         raise ValueError("--speculate drafts with an INT8 copy of float weights; this model is "
                          "already compressed (a packed GGUF: add --unpacked)")  # fmt: skip
     k, max_len = request.speculate, prompt.shape[1] + request.max_new_tokens

@@ -5,8 +5,8 @@
 // tensors as data pointers that the Python side keeps alive). A step reads it, then for B
 // sequences at T consecutive positions each (T = 1: plain decoding; T > 1: a draft's tokens
 // verified at once, each position attending causally to the cache and the ones before it),
-// one activation row per (sequence, position): embedding lookup, per layer norm -> q/k/v projections ->
-// (q/k norms) -> rotary (precomputed cos/sin rows) -> in-place KV-cache write ->
+// one activation row per (sequence, position): embedding lookup, per layer norm -> q/k/v
+// projections -> (q/k norms) -> rotary (precomputed cos/sin rows) -> in-place KV-cache write ->
 // grouped-query attention over the filled prefix (sliding window, soft-cap) -> o projection
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
 // head, soft-cap.
@@ -237,15 +237,15 @@ void linears(Team& team, Jobs& jobs, int64_t M, std::initializer_list<LinearCall
 
 void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, const Rows& rows,
                 float* ws) {
-  const int64_t B = rows.n(), C = m.C, QD = m.H * m.D, KD = m.Hkv * m.D;  // B: rows here
-  float *x = ws, *h = x + B * C, *t = h + B * C, *q = t + B * C, *att = q + B * QD;
-  float *k = att + B * QD, *v = k + B * KD, *g = v + B * KD, *u = g + B * m.F;
-  float* scores = u + B * m.F;
-  norm_rows(m, l.attn_norm, x, h, B, C);
-  linears(team, jobs, B, {{l.q, h, q}, {l.k, h, k}, {l.v, h, v}});
-  if (l.q_norm.w) norm_rows(m, l.q_norm, q, q, B * m.H, m.D);
-  if (l.k_norm.w) norm_rows(m, l.k_norm, k, k, B * m.Hkv, m.D);
-  for (int64_t r = 0; r < B; ++r) {
+  const int64_t R = rows.n(), C = m.C, QD = m.H * m.D, KD = m.Hkv * m.D;  // R rows
+  float *x = ws, *h = x + R * C, *t = h + R * C, *q = t + R * C, *att = q + R * QD;
+  float *k = att + R * QD, *v = k + R * KD, *g = v + R * KD, *u = g + R * m.F;
+  float* scores = u + R * m.F;
+  norm_rows(m, l.attn_norm, x, h, R, C);
+  linears(team, jobs, R, {{l.q, h, q}, {l.k, h, k}, {l.v, h, v}});
+  if (l.q_norm.w) norm_rows(m, l.q_norm, q, q, R * m.H, m.D);
+  if (l.k_norm.w) norm_rows(m, l.k_norm, k, k, R * m.Hkv, m.D);
+  for (int64_t r = 0; r < R; ++r) {
     const int64_t p = rows.at(r);
     if (l.cos) {
       rotate(q + r * QD, m.H, m.D, l.cos + p * m.D, l.sin + p * m.D);
@@ -260,20 +260,20 @@ void layer_step(Team& team, Jobs& jobs, const Model& m, const Layer& l, const Ro
   const int64_t per_item = attention_per_item(m, rows, jobs.threads);
   jobs.attention.push_back(AttentionJob{&m, &l, q, att, scores, rows, per_item});
   team.run({jobs.attention.back().task()});
-  linears(team, jobs, B, {{l.o, att, t}});
-  if (l.post_attn.w) norm_rows(m, l.post_attn, t, t, B, C);
-  for (int64_t i = 0; i < B * C; ++i) x[i] += t[i];
-  norm_rows(m, l.mlp_norm, x, h, B, C);
+  linears(team, jobs, R, {{l.o, att, t}});
+  if (l.post_attn.w) norm_rows(m, l.post_attn, t, t, R, C);
+  for (int64_t i = 0; i < R * C; ++i) x[i] += t[i];
+  norm_rows(m, l.mlp_norm, x, h, R, C);
   if (l.gate.kind >= 0) {
-    linears(team, jobs, B, {{l.gate, h, g}, {l.up, h, u}});
-    activate(m, g, u, B * m.F);
+    linears(team, jobs, R, {{l.gate, h, g}, {l.up, h, u}});
+    activate(m, g, u, R * m.F);
   } else {
-    linears(team, jobs, B, {{l.up, h, g}});
-    activate(m, g, nullptr, B * m.F);
+    linears(team, jobs, R, {{l.up, h, g}});
+    activate(m, g, nullptr, R * m.F);
   }
-  linears(team, jobs, B, {{l.down, g, t}});
-  if (l.post_mlp.w) norm_rows(m, l.post_mlp, t, t, B, C);
-  for (int64_t i = 0; i < B * C; ++i) x[i] += t[i];
+  linears(team, jobs, R, {{l.down, g, t}});
+  if (l.post_mlp.w) norm_rows(m, l.post_mlp, t, t, R, C);
+  for (int64_t i = 0; i < R * C; ++i) x[i] += t[i];
 }
 
 // Phases one layer runs (q/k/v, attention, o, gate/up, down); the head is one more.
@@ -297,14 +297,14 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
     return "positions " + std::to_string(pos) + ".." + std::to_string(pos + T - 1) +
            " are outside the cache's " + std::to_string(m.S) + " slots";
   const Rows rows{m.B, T, pos};
-  const int64_t B = rows.n(), C = m.C;  // B: activation rows, one per (sequence, position)
-  if (ws_floats < workspace_floats(m, B)) return "workspace is too small for this step";
-  for (int64_t r = 0; r < B; ++r)
+  const int64_t R = rows.n(), C = m.C;  // activation rows, one per (sequence, position)
+  if (ws_floats < workspace_floats(m, R)) return "workspace is too small for this step";
+  for (int64_t r = 0; r < R; ++r)
     if (tokens[r] < 0 || tokens[r] >= m.Vocab)
       return "token " + std::to_string(tokens[r]) + " is outside the vocabulary of " +
              std::to_string(m.Vocab);
-  float *x = ws, *h = x + B * C;
-  for (int64_t r = 0; r < B; ++r) {  // x = embed[token] * scale (+ pos_embed[p]); h: scratch
+  float *x = ws, *h = x + R * C;
+  for (int64_t r = 0; r < R; ++r) {  // x = embed[token] * scale (+ pos_embed[p]); h: scratch
     float* xr = x + r * C;
     read_row(m.embed, m.embed_storage, tokens[r] * C, xr, C);
     if (m.embed_scale != 1.0f)
@@ -314,7 +314,7 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
       for (int64_t i = 0; i < C; ++i) xr[i] += h[i];
     }
   }
-  // A helper's scratch: one linear layer's (B, N) output, or an attention item's scores and
+  // A helper's scratch: one linear layer's (R, N) output, or an attention item's scores and
   // outputs.
   const int64_t widest = std::max({m.Vocab, m.F, m.H * m.D, m.C});
   int64_t bytes = weight_bytes(m.head) +  // + the KV cache read
@@ -323,14 +323,14 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
     for (const Lin* lin : {&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down})
       bytes += weight_bytes(*lin);
   const int nt = team_threads(threads, bytes);
-  const int64_t scratch = std::max(B * widest, m.S + attention_per_item(m, rows, nt) * m.D);
+  const int64_t scratch = std::max(R * widest, m.S + attention_per_item(m, rows, nt) * m.D);
   in_team(nt, kPhasesPerLayer * m.L + 1, scratch, [&](Team& t, Jobs& j) {
     for (const Layer& l : layers) layer_step(t, j, m, l, rows, ws);
-    norm_rows(m, m.final_norm, x, h, B, C);
-    linears(t, j, B, {{m.head, h, logits}});
+    norm_rows(m, m.final_norm, x, h, R, C);
+    linears(t, j, R, {{m.head, h, logits}});
   });
   if (m.final_softcap > 0.0f)
-    for (int64_t i = 0; i < B * m.Vocab; ++i)
+    for (int64_t i = 0; i < R * m.Vocab; ++i)
       logits[i] = std::tanh(logits[i] / m.final_softcap) * m.final_softcap;
   return "";
 }
