@@ -5,7 +5,7 @@ operators into primitives, chooses kernel boundaries with a binary linear progra
 runs the result as one generated native program. kiln is also a ``torch.compile``
 backend: ``torch.compile(model, backend="kiln")``.
 
-The public names load lazily, so ``import kiln.fusion.ir`` stays light.
+The public names load lazily, so ``import kiln.compiler.ir.graph`` stays light.
 """
 
 from __future__ import annotations
@@ -13,19 +13,19 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kiln.pipeline import CompileOptions, VerificationError, compile
-    from kiln.runtime.compiled import CompiledModule
-    from kiln.runtime.executors import ShapeMismatch
+    from kiln.compiler.api import CompileOptions, VerificationError, compile
+    from kiln.compiler.exec.compiled import CompiledModule
+    from kiln.compiler.exec.executors import ShapeMismatch
 
 __all__ = ["CompileOptions", "CompiledModule", "ShapeMismatch", "VerificationError", "compile"]
 __version__ = "0.1.0"
 
 _LAZY = {
-    "compile": "kiln.pipeline",
-    "CompileOptions": "kiln.pipeline",
-    "VerificationError": "kiln.pipeline",
-    "CompiledModule": "kiln.runtime.compiled",
-    "ShapeMismatch": "kiln.runtime.executors",
+    "compile": "kiln.compiler.api",
+    "CompileOptions": "kiln.compiler.api",
+    "VerificationError": "kiln.compiler.api",
+    "CompiledModule": "kiln.compiler.exec.compiled",
+    "ShapeMismatch": "kiln.compiler.exec.executors",
 }
 
 

@@ -1,4 +1,4 @@
-"""Compression with accuracy control: quantize, sparsify, low-rank, and a per-layer plan.
+"""Compression with accuracy control (quantize, sparsify, low rank, a per-layer plan); may import kiln.core, kernels and quality.
 
 Verbs (in place, over a model's linear layers)::
 

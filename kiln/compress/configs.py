@@ -10,9 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from kiln.kernels.formats import INT4_GROUP_SIZES
+
 Method = Literal["rtn", "gptq"]
 SparseMethod = Literal["magnitude", "sparsegpt"]
-GROUP_SIZES = (32, 64, 128)
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,8 @@ class Int4WeightOnly:
     method: Method = "rtn"
 
     def __post_init__(self) -> None:
-        if self.group_size not in GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {INT4_GROUP_SIZES}, got {self.group_size}")
         _check_method(self.method)
 
     @property

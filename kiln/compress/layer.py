@@ -11,7 +11,6 @@ from torch import Tensor, nn
 from kiln.compress import obs
 from kiln.compress import quantizers as qz
 from kiln.compress.configs import (
-    GROUP_SIZES,
     CompressionConfig,
     Int4WeightOnly,
     Int8WeightOnly,
@@ -28,6 +27,7 @@ from kiln.compress.modules import (
     Sparse24Linear,
 )
 from kiln.compress.obs import Moment
+from kiln.kernels.formats import INT4_GROUP_SIZES, pack_int4
 
 
 class NoSaving(ValueError):
@@ -65,7 +65,7 @@ def _compress_weight(
             codes, scale, offset = obs.gptq_int4(w, h, g, sym)
         else:
             codes, scale, offset = qz.quantize_int4(w, g, sym)
-        return Int4Linear(qz.pack_int4(codes), scale, offset, g, bias)
+        return Int4Linear(pack_int4(codes), scale, offset, g, bias)
     if isinstance(config, SemiStructured24):
         if config.method == "sparsegpt":
             assert h is not None
@@ -95,10 +95,10 @@ def effective_group_size(k: int, group_size: int) -> int:
     SmolLM2's hidden size 576 = 4.5 x 128: its layers reading the hidden state cannot
     have groups of 128, so an INT4-g128 config quantizes them in groups of 64.
     """
-    for g in sorted(GROUP_SIZES, reverse=True):
+    for g in sorted(INT4_GROUP_SIZES, reverse=True):
         if g <= group_size and k % g == 0:
             return g
-    raise ValueError(f"input dim {k} is not a multiple of any INT4 group size {GROUP_SIZES}")
+    raise ValueError(f"input dim {k} is not a multiple of any INT4 group size {INT4_GROUP_SIZES}")
 
 
 def weight_error(layer: nn.Linear, compressed: CompressedLinear) -> Tensor:

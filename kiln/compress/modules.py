@@ -2,7 +2,7 @@
 
 Every class stores only its compressed tensors (as buffers, so ``state_dict`` and
 safetensors carry exactly them), knows its byte size, can rebuild the dense fp32 weight,
-and runs its forward through the fastest kernel for the device (``kiln.kernels.woq`` for
+and runs its forward through the fastest kernel for the device (``kiln.kernels.registry`` for
 the quantized ones). Kernels are prepared lazily, once, and dropped whenever the buffers
 move (``.to``) or are overwritten (``load_state_dict``).
 
@@ -20,7 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kiln.compress import quantizers as qz
-from kiln.kernels.woq import dequantize_int4, int4_weight_only, int8_weight_only
+from kiln.kernels.formats import dequantize_int4
+from kiln.kernels.registry import int4_weight_only, int8_weight_only
 
 Kernel = Callable[[Tensor], Tensor]
 

@@ -1,12 +1,12 @@
 """Round-to-nearest quantizers and the 4-bit packing, on plain tensors.
 
-Formats (shared with ``kiln.kernels.woq``, which runs them):
+Formats (shared with ``kiln.kernels.registry``, which runs them):
 
 * INT8: ``qweight`` int8 (N, K) in [-127, 127], ``scale`` fp32 (N,); W = q * scale.
 * INT4: ``packed`` uint8 (N, K/2) with q[:, 2j] in the low nibble and q[:, 2j+1] in the
   high one, q in [0, 15]; ``scale``/``offset`` fp16 (N, K/g); W = q * scale + offset.
   Symmetric means offset = -8 * scale. The format's checks, unpacking and dequantization
-  live with the kernels (``kiln.kernels.woq``); the quantizers here only produce it.
+  live with the kernels (``kiln.kernels.registry``); the quantizers here only produce it.
 
 Scales are rounded to their storage dtype *before* q is computed, so dequantizing the
 stored tensors reproduces exactly the values the quantizer chose.
@@ -79,14 +79,6 @@ def dequantize_int4_codes(q: Tensor, scale: Tensor, offset: Tensor) -> Tensor:
     g = k // scale.shape[1]
     w = q.reshape(n, -1, g).float() * scale.float()[..., None] + offset.float()[..., None]
     return w.reshape(n, k)
-
-
-def pack_int4(q: Tensor) -> Tensor:
-    """(N, K) codes in [0, 15] -> (N, K/2) uint8, even k in the low nibble."""
-    if q.shape[-1] % 2:
-        raise ValueError(f"INT4 packing needs an even input dim, got {q.shape[-1]}")
-    q = q.to(torch.uint8)
-    return q[..., 0::2] | (q[..., 1::2] << 4)
 
 
 def check_int4_shape(k: int, group_size: int) -> None:

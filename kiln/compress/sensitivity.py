@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from kiln.compress.calibrate import LayerStats
 from kiln.compress.configs import CompressionConfig, LowRank
 from kiln.compress.layer import NoSaving, compress_linear, weight_error
 from kiln.compress.modules import CompressedLinear, dense_nbytes
+from kiln.compress.moments import LayerStats
 from kiln.compress.obs import InputMoment
 from kiln.compress.verbs import supports
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kiln.compress.calibrate import causal_lm_loss
+from kiln.compress.moments import causal_lm_loss
 from kiln.quality import corpus, embedding
 from kiln.quality.perplexity import perplexity
 

@@ -17,9 +17,7 @@ from collections.abc import Callable, Mapping
 
 from torch import Tensor, nn
 
-from kiln.compress.calibrate import linear_layers
 from kiln.compress.configs import (
-    GROUP_SIZES,
     CompressionConfig,
     Int4WeightOnly,
     Int8WeightOnly,
@@ -27,6 +25,8 @@ from kiln.compress.configs import (
     SemiStructured24,
 )
 from kiln.compress.layer import NoSaving, compress_linear
+from kiln.compress.moments import linear_layers
+from kiln.kernels.formats import INT4_GROUP_SIZES
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -75,7 +75,7 @@ def supports(config: CompressionConfig, layer: nn.Linear) -> bool:
     """Whether ``config`` can compress a layer of this shape."""
     k = layer.in_features
     if isinstance(config, Int4WeightOnly):
-        return k % min(GROUP_SIZES) == 0  # smaller groups where group_size does not divide K
+        return k % min(INT4_GROUP_SIZES) == 0  # smaller groups where group_size does not divide K
     if isinstance(config, SemiStructured24):
         return k % 8 == 0  # 2:4 groups, with two groups' positions per byte
     return True

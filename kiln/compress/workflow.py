@@ -16,7 +16,6 @@ from typing import Protocol
 from torch import nn
 
 from kiln.compress.allocate import FrontierPoint, Objective
-from kiln.compress.calibrate import collect_stats, linear_layers
 from kiln.compress.configs import (
     CompressionConfig,
     Int4WeightOnly,
@@ -24,6 +23,7 @@ from kiln.compress.configs import (
     LowRank,
     SemiStructured24,
 )
+from kiln.compress.moments import collect_stats, linear_layers
 from kiln.compress.plan import PlanResult, PlanRound, apply_choice, frontier, search
 from kiln.compress.sensitivity import DENSE, SensitivityTable, analyse, measured_layer_loss
 from kiln.compress.tasks import Task

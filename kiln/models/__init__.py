@@ -1,1 +1,1 @@
-"""Real models and checkpoint loading: ``catalog`` finds and loads the installed real models."""
+"""Language-model architectures and checkpoints (config, Transformer, KV cache, HF / GGUF / compressed readers); may import kiln.core, kernels, compress and quality."""

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from kiln.hardware.profile import cache_dir
+from kiln.core.cache import cache_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -19,7 +19,7 @@ from kiln.compress.checkpoint import MANIFEST, WEIGHTS, read_manifest
 from kiln.compress.modules import LAYER_KINDS, CompressedLinear
 from kiln.models import hf
 from kiln.models.config import ModelConfig
-from kiln.models.errors import LazyTensor, LoadError
+from kiln.models.readers import LazyTensor, LoadError
 
 
 def is_compressed(folder: Path) -> bool:

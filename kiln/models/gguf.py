@@ -32,7 +32,7 @@ from torch import Tensor
 
 from kiln.compress.modules import Int4Linear
 from kiln.models.config import ConfigError, ModelConfig
-from kiln.models.errors import LazyTensor, LoadError
+from kiln.models.readers import LazyTensor, LoadError
 
 Q = gguf.GGMLQuantizationType
 ARCHITECTURES = ("llama",)

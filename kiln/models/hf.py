@@ -26,7 +26,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from kiln.models.config import Activation, ConfigError, ModelConfig
-from kiln.models.errors import LazyTensor, LoadError
+from kiln.models.readers import LazyTensor, LoadError
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gemma3", "gpt2", "opt")
 ACTIVATIONS: dict[str, Activation] = {

@@ -28,7 +28,7 @@ from kiln.compress.modules import CompressedLinear
 from kiln.models import catalog, compressed, hf
 from kiln.models import gguf as gguf_reader
 from kiln.models.config import ModelConfig
-from kiln.models.errors import LazyTensor, LoadError
+from kiln.models.readers import LazyTensor, LoadError
 from kiln.models.transformer import Transformer
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

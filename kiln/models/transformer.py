@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from kiln.models.cache import KVCache
 from kiln.models.config import ModelConfig
+from kiln.models.kv_cache import KVCache
 
 
 class Norm(nn.Module):

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from kiln.models.cache import KVCache
+from kiln.models.kv_cache import KVCache
 from kiln.models.transformer import Transformer
 from kiln.parallel.launch import progress
 from kiln.parallel.tp import balanced, local_kv_heads

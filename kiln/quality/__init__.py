@@ -1,4 +1,4 @@
-"""Quality metrics on real text: the Austen corpus, perplexity, sentence-embedding cosine.
+"""Quality metrics on real text (the Austen corpus, perplexity, sentence-embedding cosine); may import kiln.core only.
 
 - ``corpus``: Jane Austen's six novels (``make data``), calibration and evaluation slices.
 - ``perplexity``: sliding-window perplexity of a causal language model.

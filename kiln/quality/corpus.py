@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from kiln.hardware.profile import cache_dir
+from kiln.core.cache import cache_dir
 
 if TYPE_CHECKING:  # torch is imported lazily so that `fetch` (run by `make data`) starts fast
     import torch

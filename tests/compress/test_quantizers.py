@@ -7,7 +7,7 @@ import torch
 
 from kiln.compress import obs
 from kiln.compress import quantizers as qz
-from kiln.kernels.woq import unpack_int4
+from kiln.kernels.formats import pack_int4, unpack_int4
 
 
 def gaussian(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -54,7 +54,7 @@ def test_int4_asymmetric_is_exact_on_its_own_grid() -> None:
 
 def test_pack_unpack_roundtrip() -> None:
     q = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    packed = qz.pack_int4(q)
+    packed = pack_int4(q)
     assert packed.shape == (5, 32)
     assert torch.equal(packed[:, 0], q[:, 0] | (q[:, 1] << 4))
     assert torch.equal(unpack_int4(packed), q)

@@ -1,7 +1,7 @@
 """Compression on the real models and text (skipped without `make data` / the packages).
 
 Small on purpose (CI runs on 2 cores): a few calibration windows, 1,024 evaluation
-tokens. The full table is benchmarks/compression.py.
+tokens. The full table is kiln/bench/compression.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
-from kiln.compress.calibrate import collect_stats, input_moments, linear_layers
+from kiln.compress.moments import collect_stats, input_moments, linear_layers
 from kiln.compress.tasks import EncoderTask, LanguageModelTask
 from kiln.compress.workflow import compress_to_budget, model_nbytes
 from tests.quality.conftest import requires_corpus, requires_minilm, requires_smollm2

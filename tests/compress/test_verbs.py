@@ -16,7 +16,7 @@ from kiln.compress import (
     quantize_,
     sparsify_,
 )
-from kiln.compress.calibrate import collect_stats, input_moments, linear_layers
+from kiln.compress.moments import collect_stats, input_moments, linear_layers
 from kiln.compress.quantizers import sqnr_db
 from tests.compress.toy import correlated_inputs, toy_mlp
 

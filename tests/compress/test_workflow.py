@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from kiln.compress import workflow
-from kiln.compress.calibrate import collect_stats, linear_layers
 from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly, LowRank, SemiStructured24
 from kiln.compress.modules import CompressedLinear
+from kiln.compress.moments import collect_stats, linear_layers
 from kiln.compress.plan import search, uniform_choice
 from kiln.compress.sensitivity import DENSE, analyse, measured_layer_loss
 from tests.compress.toy import ToyTask, log_ratio, toy_mlp

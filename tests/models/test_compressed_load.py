@@ -11,8 +11,8 @@ import torch
 from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
 from kiln.compress.checkpoint import MANIFEST, save_compressed
 from kiln.compress.modules import Int4Linear, Int8Linear
-from kiln.models.errors import LoadError
 from kiln.models.load import load_model
+from kiln.models.readers import LoadError
 from tests.helpers import assert_close_to_reference
 from tests.models.families import kiln_greedy, random_model
 

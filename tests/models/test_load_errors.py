@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kiln.models.config import ConfigError
-from kiln.models.errors import LoadError
 from kiln.models.load import load_model
+from kiln.models.readers import LoadError
 from tests.models.families import write_checkpoint, write_tiny_gguf
 
 

@@ -18,8 +18,8 @@ the weight bytes streamed from DRAM. Three backends compute ``y = x @ W.T`` here
 * ``"dequant"``: ``F.linear(x, dequantize(...))`` per call: the reference, and the best for
   many rows (long prefill, M > 256), where the matmul is compute-bound and MKL's sgemm wins.
 
-``"auto"`` (what ``kiln.kernels.woq`` uses) picks by rows M = x.numel() // K, by measurement
-(benchmarks/quant_matmul.py, 1 thread: one decode step of SmolLM2-135M = 210 linears with
+``"auto"`` (what ``kiln.kernels.registry`` uses) picks by rows M = x.numel() // K, by measurement
+(kiln/bench/quant_matmul.py, 1 thread: one decode step of SmolLM2-135M = 210 linears with
 distinct weights streamed from DRAM; step ms, AMD EPYC Zen 3 AVX2 with co-tenants, torch
 2.13 / Intel Xeon AVX-512, torch 2.11):
 
@@ -48,8 +48,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kiln.kernels.cpu import build
-from kiln.kernels.woq import (
+from kiln.core import native
+from kiln.kernels.formats import (
     check_input,
     check_int4,
     check_int8,
@@ -78,14 +78,14 @@ KILN_MAX_ROWS = 256
 # ------------------------------------------------------------------ build
 def extension_key() -> str:
     """Cache key of the extension: everything that changes its binary or its ABI."""
-    return build.extension_key([HERE / name for name in SOURCES], FLAGS)
+    return native.extension_key([HERE / name for name in SOURCES], FLAGS)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
     """kiln's weight-only matmul extension, compiled on first use and cached on disk
-    (``build.load_plain_extension``)."""
-    return build.load_plain_extension("woq", [HERE / name for name in SOURCES], FLAGS)
+    (``native.load_plain_extension``)."""
+    return native.load_plain_extension("woq", [HERE / name for name in SOURCES], FLAGS)
 
 
 # ------------------------------------------------------------------ repacking
@@ -95,7 +95,7 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return out
 
 
-def pack_int8(qweight: Tensor, lanes: int) -> Tensor:
+def panels_int8(qweight: Tensor, lanes: int) -> Tensor:
     """qweight int8 (N, K) -> panels int8 (ceil(N / lanes), K, lanes), zero-padded."""
     n, k = qweight.shape
     panels = -(-n // lanes)
@@ -103,7 +103,9 @@ def pack_int8(qweight: Tensor, lanes: int) -> Tensor:
     return q.transpose(1, 2).contiguous()  # (P, K, W)
 
 
-def pack_int4(packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, lanes: int) -> Tensor:
+def panels_int4(
+    packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, lanes: int
+) -> Tensor:
     """The INT4 format -> per-panel group records uint8 (P, G, 4W + gW/2) (see woq.cpp)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     panels, groups, half = -(-n // lanes), k // group_size, group_size // 2
@@ -128,7 +130,7 @@ class _KilnInt8:
         self._ext = load_extension()
         lanes = self._ext.lanes()
         self.n, self.k = qweight.shape
-        self._w = pack_int8(qweight, lanes)  # (P, K, W)
+        self._w = panels_int8(qweight, lanes)  # (P, K, W)
         self._scale = _pad_rows(scale, self._w.shape[0] * lanes)  # (P * W,)
         self._w_ptr, self._scale_ptr = self._w.data_ptr(), self._scale.data_ptr()
 
@@ -144,7 +146,7 @@ class _KilnInt4:
     def __init__(self, packed: Tensor, scale: Tensor, offset: Tensor, group_size: int):
         self._ext = load_extension()
         self.n, self.k, self.g = packed.shape[0], 2 * packed.shape[1], group_size
-        self._w = pack_int4(packed, scale, offset, group_size, self._ext.lanes())
+        self._w = panels_int4(packed, scale, offset, group_size, self._ext.lanes())
         self._w_ptr = self._w.data_ptr()
 
     def __call__(self, x: Tensor, m: int) -> Tensor:
@@ -224,7 +226,7 @@ def _choose(
         raise ValueError(f"backend must be auto, kiln, torch or dequant, got {backend!r}")
     try:
         return CpuWeightOnlyKernel(k, n, ("kiln", kiln()), ("dequant", dequant), KILN_MAX_ROWS)
-    except (build.KilnCompileError, RuntimeError, OSError) as err:
+    except (native.KilnCompileError, RuntimeError, OSError) as err:
         warnings.warn(
             f"kiln's weight-only CPU kernel is unavailable ({err}); using torch's kernels",
             RuntimeWarning,
@@ -239,7 +241,7 @@ def _choose(
 def cpu_int8_kernel(
     qweight: Tensor, scale: Tensor, backend: Backend = "auto"
 ) -> CpuWeightOnlyKernel:
-    """An INT8 weight-only kernel on the CPU (format: kiln.kernels.woq); see the module doc."""
+    """An INT8 weight-only kernel on the CPU (format: kiln.kernels.registry); see the module doc."""
     n, k = check_int8(qweight, scale)
     if qweight.device.type != "cpu":
         raise ValueError(f"cpu_int8_kernel needs CPU tensors, got {qweight.device}")
@@ -261,7 +263,7 @@ def cpu_int8_kernel(
 def cpu_int4_kernel(
     packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, backend: Backend = "auto"
 ) -> CpuWeightOnlyKernel:
-    """An INT4 weight-only kernel on the CPU (format: kiln.kernels.woq); see the module doc."""
+    """An INT4 weight-only kernel on the CPU (format: kiln.kernels.registry); see the module doc."""
     n, k = check_int4(packed, scale, offset, group_size)
     if packed.device.type != "cpu":
         raise ValueError(f"cpu_int4_kernel needs CPU tensors, got {packed.device}")

@@ -23,7 +23,7 @@ bfloat16, float32, int8). Its constraints, which this file checks or handles:
 On every other device, dtype or shape the weight stays an ordinary dense tensor and
 :func:`sparse24_linear` is plain ``F.linear``: the same numbers, no speed-up.
 
-Measured on an H100 (``benchmarks/gpu_quant.py``, fp16, CUDA-graph replay): at decode sizes
+Measured on an H100 (``kiln/bench/gpu_quant.py``, fp16, CUDA-graph replay): at decode sizes
 (M <= 16) the cuSPARSELt kernel was slower than dense cuBLAS everywhere, dense / sparse time
 0.26 (1536x576) to 0.98 (4096x11008), and an eager call spends ~1 ms of host time (a
 cuSPARSELt plan per call). 2:4 can pay only at larger M, which that benchmark does not cover.

@@ -7,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.kernels.cpu import build
+from kiln.core import native
+from kiln.core.cache import cache_dir
 from kiln.kernels.cpu import woq as cw
-from kiln.kernels.woq import dequantize_int4, dequantize_int8
+from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from tests.helpers import assert_close_to_reference
 
 # Another summation order than F.linear (and INT8's scale applied after the sum): a few
@@ -87,7 +88,7 @@ def test_auto_picks_kiln_for_decode_rows_and_dequant_for_prefill() -> None:
 
 def test_auto_falls_back_to_torch_without_a_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken() -> None:
-        raise build.KilnCompileError("no compiler here")
+        raise native.KilnCompileError("no compiler here")
 
     monkeypatch.setattr(cw, "load_extension", broken)
     q, s = _int8(16, 32)
@@ -123,7 +124,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
 # ------------------------------------------------------------------ layouts
 def test_int8_panels_layout(lanes: int) -> None:
     q, _ = _int8(lanes + 3, 5)
-    panels = cw.pack_int8(q, lanes)
+    panels = cw.panels_int8(q, lanes)
     assert panels.shape == (2, 5, lanes)
     for n in range(lanes + 3):
         assert torch.equal(panels[n // lanes, :, n % lanes], q[n])
@@ -133,7 +134,7 @@ def test_int8_panels_layout(lanes: int) -> None:
 def test_int4_records_layout(lanes: int) -> None:
     n, k, g = lanes + 1, 128, 64
     packed, scale, offset = _int4(n, k, g, symmetric=False)
-    rec = cw.pack_int4(packed, scale, offset, g, lanes)
+    rec = cw.panels_int4(packed, scale, offset, g, lanes)
     assert rec.shape == (2, k // g, 4 * lanes + g // 2 * lanes)
     for row in range(n):
         p, lane = divmod(row, lanes)
@@ -149,9 +150,9 @@ def test_int4_records_layout(lanes: int) -> None:
 def test_extension_is_built_once_and_cached_on_disk() -> None:
     ext = cw.load_extension()
     assert cw.load_extension() is ext
-    so = build.cache_dir() / "woq" / f"kiln_woq_{cw.extension_key()[:24]}.so"
+    so = cache_dir() / "woq" / f"kiln_woq_{cw.extension_key()[:24]}.so"
     assert so.exists()
-    assert ext.lanes() == (16 if build.isa() == "avx512" else 8)
+    assert ext.lanes() == (16 if native.isa() == "avx512" else 8)
 
 
 def test_extension_rejects_wrong_arguments() -> None:

@@ -1,7 +1,7 @@
 """Triton kernels run on the GPU when there is one, else through Triton's interpreter on the CPU.
 
 TRITON_INTERPRET must be set before ``triton.jit`` decorates the kernels, that is before
-``kiln.kernels.gpu.woq`` is first imported; conftest files load before their folder's tests.
+``kiln.kernels.gpu.woq_triton`` is first imported; conftest files load before their folder's tests.
 """
 
 from __future__ import annotations

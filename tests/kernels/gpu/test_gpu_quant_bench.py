@@ -1,4 +1,4 @@
-"""benchmarks/gpu_quant.py end to end on tiny shapes (the interpreter without a GPU)."""
+"""kiln/bench/gpu_quant.py end to end on tiny shapes (the interpreter without a GPU)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("triton")
-from benchmarks import gpu_quant  # noqa: E402  (after the importorskip)
+from kiln.bench import gpu_quant  # noqa: E402  (after the importorskip)
 
 
 def test_smoke_run_writes_checked_cases(tmp_path: Path) -> None:

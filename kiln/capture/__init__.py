@@ -1,6 +1,0 @@
-"""Capture: PyTorch model -> kiln primitive Graph (torch.export + lowering)."""
-
-from kiln.capture.builder import CaptureError
-from kiln.capture.export import CaptureResult, Fallback, capture, fallback_report
-
-__all__ = ["CaptureError", "CaptureResult", "Fallback", "capture", "fallback_report"]

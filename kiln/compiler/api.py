@@ -1,0 +1,286 @@
+"""``kiln.compile``: capture -> fission -> candidates -> BLP -> program -> C++ -> verify."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from kiln.compiler.capture import CaptureResult, capture, capture_cache
+from kiln.compiler.codegen.cpu import build
+from kiln.compiler.codegen.cpu.codegen import CppProgram, generate
+from kiln.compiler.codegen.cpu.pack import nr as panel_width
+from kiln.compiler.exec.compiled import CompiledModule
+from kiln.compiler.exec.executors import NativeExecutor, ReferenceExecutor
+from kiln.compiler.exec.measure import measurer
+from kiln.compiler.exec.report import CompileReport, Fallback, KernelReport, SolverReport
+from kiln.compiler.exec.verify import compare_all
+from kiln.compiler.fusion.candidates import Candidate, enumerate_candidates
+from kiln.compiler.fusion.cost import CostModel
+from kiln.compiler.fusion.greedy import greedy_fusion
+from kiln.compiler.fusion.orchestrate import orchestrate
+from kiln.compiler.fusion.program import Kernel, Program, build_program, is_extern
+from kiln.compiler.fusion.schedule import Orchestration
+from kiln.compiler.ir.graph import Graph
+from kiln.core.cache import cache_dir
+from kiln.core.calibrate import load_profile
+
+Tensor = torch.Tensor
+
+
+class VerificationError(RuntimeError):
+    """The compiled program's outputs differ from eager PyTorch beyond tolerance."""
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """How ``kiln.compile`` works. The defaults are what a deployment wants."""
+
+    verify: bool = True  # compare with eager on the example inputs at compile time
+    on_mismatch: Literal["raise", "eager"] = "raise"  # what a failed verification does
+    executor: Literal["native", "reference"] = "native"
+    solver: Literal["blp", "greedy"] = "blp"
+    max_kernel_nodes: int = 16  # candidate size bound (keeps enumeration polynomial)
+    measure: bool = False  # time candidates on this machine instead of the roofline model
+    cache: bool = True  # reuse a cached capture of the same model code, weights and shapes
+
+    def __post_init__(self) -> None:
+        if self.on_mismatch not in ("raise", "eager"):
+            raise ValueError(f"on_mismatch must be 'raise' or 'eager', not {self.on_mismatch!r}")
+        if self.executor not in ("native", "reference"):
+            raise ValueError(f"executor must be 'native' or 'reference', not {self.executor!r}")
+        if self.solver not in ("blp", "greedy"):
+            raise ValueError(f"solver must be 'blp' or 'greedy', not {self.solver!r}")
+        if self.max_kernel_nodes < 1:
+            raise ValueError("max_kernel_nodes must be >= 1")
+
+
+def compile(
+    model: torch.nn.Module,
+    example_inputs: Sequence[Tensor],
+    *,
+    verify: bool = True,
+    on_mismatch: Literal["raise", "eager"] = "raise",
+    executor: Literal["native", "reference"] = "native",
+    solver: Literal["blp", "greedy"] = "blp",
+    max_kernel_nodes: int = 16,
+    measure: bool = False,
+    cache: bool = True,
+) -> CompiledModule:
+    """Compile ``model`` for the shapes of ``example_inputs``.
+
+    Returns a callable with the model's signature. Raises ``VerificationError`` if the
+    result differs from eager PyTorch (or falls back to eager with a warning when
+    ``on_mismatch="eager"``).
+    """
+    opts = CompileOptions(verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache)
+    return compile_with(model, tuple(example_inputs), opts)
+
+
+def compile_with(
+    model: torch.nn.Module, example_inputs: tuple[Tensor, ...], opts: CompileOptions
+) -> CompiledModule:
+    t0 = time.perf_counter()
+    cap = _capture(model, example_inputs, opts.cache)
+    capture_s = time.perf_counter() - t0
+    compiled = compile_graph(cap.graph, opts, name=type(model).__name__)
+    compiled.report.timings_s = {"capture": capture_s, **compiled.report.timings_s}
+    compiled.report.fallbacks[:0] = [Fallback(f.aten_op, f.reason) for f in cap.fallbacks]
+    compiled.set_output_spec(None if cap.out_spec.is_leaf() else cap.out_spec)
+    if opts.verify:
+        assert compiled.program is not None
+        _verify(compiled, model, example_inputs, compiled.program, opts, compiled.report)
+    return compiled
+
+
+def _capture(model: torch.nn.Module, inputs: tuple[Tensor, ...], use_cache: bool) -> CaptureResult:
+    if not use_cache:
+        return capture(model, inputs)
+    key = capture_cache.capture_key(model, inputs)
+    cap = capture_cache.load(key)
+    if cap is None:
+        cap = capture(model, inputs)
+        capture_cache.store(key, cap)
+    return cap
+
+
+def compile_graph(
+    graph: Graph,
+    opts: CompileOptions | None = None,
+    name: str = "graph",
+    kernels: list[Kernel] | None = None,
+) -> CompiledModule:
+    """Orchestrate and build a primitive graph (``kernels`` overrides the solver's choice).
+    The result takes and returns flat tensor lists through ``run_flat``."""
+    opts = opts or CompileOptions()
+    times: dict[str, float] = {}
+    t0 = time.perf_counter()
+    measure = measurer(graph, _build_unverified) if opts.measure else None
+    costs = CostModel(load_profile(), measure=measure)
+    solver_report = None
+    if kernels is None:
+        orch, solver_report = _orchestrate(graph, costs, opts)
+        kernels = [_kernel(graph, c, costs) for c in orch.kernels]
+    prog = build_program(graph, kernels)
+    times["orchestrate"] = time.perf_counter() - t0
+    report = CompileReport(
+        model=name,
+        nodes=len(graph.nodes),
+        solver=solver_report,
+        executor=opts.executor,
+        isa=build.isa(),
+    )
+    run, cpp = _executor(prog, opts, times, report)
+    _fill_kernels(report, prog, cpp)
+    report.timings_s = times
+    compiled = CompiledModule(run, graph, prog, report, out_spec=None)
+    compiled.native_program = cpp
+    return compiled
+
+
+def _orchestrate(
+    graph: Graph, costs: CostModel, opts: CompileOptions
+) -> tuple[Orchestration, SolverReport]:
+    cands = enumerate_candidates(graph, max_nodes=opts.max_kernel_nodes)
+    cost_of = costs.costs(cands, graph)
+    greedy = greedy_fusion(graph, cost_of)
+    if opts.solver == "greedy":
+        orch = greedy
+    else:
+        orch = orchestrate(graph, cands, cost_of)
+    rep = SolverReport(
+        method=opts.solver,
+        status=orch.status,
+        objective_us=orch.objective,
+        bound_us=orch.bound,
+        gap=orch.gap,
+        time_s=orch.solve_time,
+        candidates=len(cands),
+        cuts=orch.cuts,
+        greedy_objective_us=greedy.objective,
+    )
+    return orch, rep
+
+
+def _kernel(graph: Graph, c: Candidate, costs: CostModel) -> Kernel:
+    order = [n.name for n in graph.nodes if n.name in c.nodes]
+    return Kernel(c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.cost(c, graph))
+
+
+def _executor(
+    prog: Program, opts: CompileOptions, times: dict[str, float], report: CompileReport
+) -> tuple:
+    if opts.executor == "reference":
+        return ReferenceExecutor(prog), None
+    t0 = time.perf_counter()
+    cpp = generate(prog, panel_width(build.isa()))
+    times["codegen"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    runtime = build.load_runtime()
+    report.cache_hit = (cache_dir("programs") / f"{build.program_key(cpp.source)}.so").exists()
+    so_path = build.compile_program(cpp.source)
+    times["build"] = time.perf_counter() - t0
+    native = NativeExecutor(prog, cpp, str(so_path), runtime)
+    return native.native.run, cpp  # the extension's run: no Python frame in between
+
+
+def _fill_kernels(report: CompileReport, prog: Program, cpp: CppProgram | None) -> None:
+    fallback = dict(cpp.fallbacks) if cpp else {}
+    native = set(cpp.native_kernels) if cpp else set()
+    g = prog.graph
+    for i, k in enumerate(prog.kernels):
+        if cpp is None:
+            ex = "reference"
+        elif i in native:
+            ex = "native"
+        elif i in fallback:
+            ex = "fallback"
+            report.fallbacks.append(Fallback("+".join(g.node(n).op for n in k.nodes), fallback[i]))
+        else:
+            ex = "extern" if is_extern(g, k) else "native"
+        report.kernels.append(
+            KernelReport(
+                i,
+                k.template,
+                [g.node(n).op for n in k.nodes] or ["copy"],
+                ex,
+                k.cost_us,
+                note=fallback.get(i, ""),
+            )
+        )
+
+
+def _verify(
+    compiled: CompiledModule,
+    model: torch.nn.Module,
+    inputs: tuple[Tensor, ...],
+    prog: Program,
+    opts: CompileOptions,
+    report: CompileReport,
+) -> None:
+    import warnings
+
+    from torch.utils._pytree import tree_flatten
+
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        expected, _ = tree_flatten(model(*inputs))
+        actual = compiled.run_flat(list(inputs))
+    results = compare_all(actual, [e.contiguous() for e in expected])
+    report.timings_s["verify"] = time.perf_counter() - t0
+    bad = [(i, r) for i, r in enumerate(results) if not r.ok]
+    if not bad:
+        worst = max((r.max_rel for r in results), default=0.0)
+        report.verification = f"ok ({len(results)} outputs, max error rel-to-max {worst:.2e})"
+        return
+    where = _locate_divergence(compiled, prog, inputs)
+    msg = "; ".join(f"output {i}: {r.detail}" for i, r in bad) + (
+        f"; first divergence: {where}" if where else ""
+    )
+    report.verification = f"FAILED: {msg}"
+    if opts.on_mismatch == "raise":
+        raise VerificationError(f"kiln output differs from eager: {msg}")
+    warnings.warn(f"kiln: {msg}; falling back to eager PyTorch", RuntimeWarning, stacklevel=3)
+    eager = model
+
+    def run_eager(flat: Sequence[Tensor]) -> list[Tensor]:
+        with torch.no_grad():
+            return tree_flatten(eager(*flat))[0]
+
+    compiled._run = run_eager
+    report.executor = "eager (verification failed)"
+
+
+def _locate_divergence(compiled: CompiledModule, prog: Program, inputs: tuple[Tensor, ...]) -> str:
+    """Name the first kernel whose result differs from the reference, by recompiling a
+    debug variant that also returns every kernel's outputs."""
+    from kiln.compiler.exec.verify import compare
+
+    ref_outs, env = ReferenceExecutor(prog).run_all(list(inputs))
+    del ref_outs
+    g = prog.graph
+    written = [o for k in prog.kernels for o in k.outputs]
+    debug_graph = Graph(g.values, g.nodes, g.inputs, list(g.outputs) + written, g.constants)
+    debug = build_program(debug_graph, prog.kernels)
+    try:
+        cpp = generate(debug, panel_width(build.isa()))
+        so = build.compile_program(cpp.source)
+        outs = NativeExecutor(debug, cpp, str(so), build.load_runtime())(list(inputs))
+    except Exception as e:  # noqa: BLE001 - diagnostics only; the mismatch is reported anyway
+        return f"(could not build the debug program: {e})"
+    extra = outs[len(g.outputs) :]
+    for value, got in zip(written, extra):
+        r = compare(got, env[value].contiguous())
+        if not r.ok:
+            k = next(i for i, kk in enumerate(prog.kernels) if value in kk.outputs)
+            ops = "+".join(g.node(n).op for n in prog.kernels[k].nodes) or "copy"
+            return f"kernel {k} ({prog.kernels[k].template}: {ops}) value {value}: {r.detail}"
+    return ""
+
+
+def _build_unverified(graph: Graph, kernels: list[Kernel]) -> CompiledModule:
+    """``graph`` built with exactly ``kernels``, unverified: how candidates are timed."""
+    return compile_graph(graph, CompileOptions(verify=False), kernels=kernels)

@@ -1,0 +1,154 @@
+"""Graph rewrites that fold work into neighbours before orchestration.
+
+* ``fold_conv_affine``: a per-channel scale and shift after a convolution (eval-mode
+  batch norm) becomes part of the convolution's weight and bias, so oneDNN runs
+  conv + bias (+ ReLU) as one call.
+* ``drop_unit_reduction_dims``: reducing over a size-1 dim is a no-op; dropping it
+  lets instance norm (a batch-statistics batch norm over (0, 2, 3) with batch 1)
+  use the fused row kernel, whose reduced dims must be trailing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.compiler.ir.graph import Graph, Node
+
+
+def _consumers(graph: Graph) -> dict[str, list[Node]]:
+    return graph.consumers()
+
+
+def _channel_vector(graph: Graph, value: str, channels: int, rank: int) -> torch.Tensor | None:
+    """The per-channel vector (C,) if ``value`` is a constant that broadcasts only over
+    the channel dim (dim 1) of a rank-``rank`` conv output, else None."""
+    if not graph.is_constant(value):
+        return None
+    t = graph.constants[value]
+    if t.dim() == 0:
+        return t.expand(channels).clone()
+    shape = (1,) * (rank - t.dim()) + tuple(t.shape)
+    if (
+        len(shape) != rank
+        or shape[1] != channels
+        or any(s != 1 for i, s in enumerate(shape) if i != 1)
+    ):
+        return None
+    return t.reshape(channels).clone()
+
+
+def fold_conv_affine(graph: Graph) -> Graph:
+    """conv(x, W, b) * s + t  ->  conv(x, W * s, b * s + t) for per-channel constants."""
+    users = _consumers(graph)
+    for conv in list(graph.nodes):
+        if conv.op != "conv" or not graph.is_constant(conv.inputs[1]):
+            continue
+        w = graph.constants[conv.inputs[1]]
+        out_meta = graph.meta(conv.output)
+        channels, rank = w.shape[0], len(out_meta.shape)
+        bias = (
+            graph.constants[conv.inputs[2]]
+            if len(conv.inputs) > 2
+            else torch.zeros(channels, dtype=w.dtype)
+        )
+        if len(conv.inputs) > 2 and not graph.is_constant(conv.inputs[2]):
+            continue
+        scale, shift = torch.ones(channels, dtype=w.dtype), torch.zeros(channels, dtype=w.dtype)
+        last = conv
+        while len(users[last.output]) == 1 and last.output not in graph.outputs:
+            nxt = users[last.output][0]
+            other = [i for i in nxt.inputs if i != last.output]
+            if (
+                nxt.op not in ("mul", "add")
+                or len(other) != 1
+                or graph.meta(nxt.output) != out_meta
+            ):
+                break
+            vec = _channel_vector(graph, other[0], channels, rank)
+            if vec is None:
+                break
+            if nxt.op == "mul":
+                scale, shift = scale * vec, shift * vec
+            else:
+                shift = shift + vec
+            last = nxt
+        if last is conv:
+            continue
+        shape = (channels,) + (1,) * (w.dim() - 1)
+        new_w = graph.add_constant(f"{conv.name}_w_folded", (w * scale.reshape(shape)).contiguous())
+        new_b = graph.add_constant(f"{conv.name}_b_folded", (bias * scale + shift).contiguous())
+        # The folded conv now produces the last affine node's value.
+        conv.inputs = (conv.inputs[0], new_w, new_b)
+        last_out = last.output
+        for n in graph.nodes:
+            if n is not conv:
+                n.inputs = tuple(conv.output if i == last_out else i for i in n.inputs)
+        graph.outputs = [conv.output if o == last_out else o for o in graph.outputs]
+        users = _consumers(graph)
+    return graph
+
+
+def drop_unit_reduction_dims(graph: Graph) -> Graph:
+    for n in graph.nodes:
+        if n.op in ("sum", "max", "min") and n.attrs.get("keepdim"):
+            shape = graph.meta(n.inputs[0]).shape
+            dims = tuple(d for d in n.attrs["dims"] if shape[d % len(shape)] != 1)
+            if dims and dims != tuple(n.attrs["dims"]):
+                n.attrs = {**n.attrs, "dims": dims}
+    return graph
+
+
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(s for s in shape if s != 1)
+
+
+def _same_elements(w: tuple[int, ...], s: tuple[int, ...], u: tuple[int, ...]) -> bool:
+    """Does operand shape ``w`` broadcast to ``u`` exactly as it broadcast to ``s``
+    and then reshaped to ``u``? (Checked on an index tensor: cheap, and exact.)"""
+    try:
+        idx = torch.arange(max(1, _numel(w)), dtype=torch.int32).reshape(w)
+        return torch.equal(idx.expand(s).reshape(u), idx.expand(u))
+    except RuntimeError:
+        return False
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def sink_unit_views(graph: Graph) -> Graph:
+    """pointwise(view(u), ...) where the view only adds or drops size-1 dims becomes
+    view(pointwise(u, ...)): the op runs in u's shape, so it can join u's kernel (a
+    kernel never reads a view of a value it computes)."""
+    from kiln.compiler.ir.graph import OpClass, Value, ValueKind
+
+    i = 0
+    while i < len(graph.nodes):
+        n = graph.nodes[i]
+        i += 1
+        if n.cls != OpClass.POINTWISE:
+            continue
+        s = graph.meta(n.output).shape
+        for pos_, v in enumerate(n.inputs):
+            p = graph.producer(v)
+            if p is None or p.op != "view" or graph.is_constant(p.inputs[0]):
+                continue
+            u = graph.meta(p.inputs[0]).shape
+            if u == s or _squeeze(u) != _squeeze(s):
+                continue
+            others = [w for j, w in enumerate(n.inputs) if j != pos_]
+            if not all(_same_elements(graph.meta(w).shape, s, u) for w in others):
+                continue
+            # n' = op(u, others...) in shape u, then n becomes view(n', s).
+            name = f"{n.name}_sunk"
+            inputs = tuple(p.inputs[0] if j == pos_ else w for j, w in enumerate(n.inputs))
+            meta = type(graph.meta(n.output))(u, graph.meta(n.output).dtype)
+            graph.values[name] = Value(name, meta, ValueKind.INTERMEDIATE, producer=name)
+            graph.nodes.insert(i - 1, Node(name, n.op, inputs, name, dict(n.attrs)))
+            n.op, n.inputs, n.attrs = "view", (name,), {"shape": s}
+            i += 1
+            break
+    return graph

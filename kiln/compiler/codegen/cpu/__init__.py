@@ -1,0 +1,1 @@
+"""CPU code generation: vectorised pointwise and row-reduction kernels, register-blocked GEMMs, oneDNN convolutions and PyTorch fallbacks, assembled into one C++ program with a single entry point; ``build`` compiles and caches it."""

@@ -1,0 +1,1 @@
+"""Running compiled programs: the native and reference executors, the ``CompiledModule`` users call, verification against eager, per-kernel profiling, measured candidate costs and the compile report."""

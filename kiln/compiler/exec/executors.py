@@ -1,0 +1,96 @@
+"""Executors of an orchestrated program.
+
+* ``NativeExecutor``: the generated C++ program, one call per inference.
+* ``ReferenceExecutor``: the same kernels in the same order, each node an ATen call —
+  the correctness oracle and the fallback when the native path does not apply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kiln.compiler.codegen.cpu.codegen import CppProgram
+from kiln.compiler.fusion.program import Program
+from kiln.compiler.ir.semantics import eval_node
+
+Tensor = torch.Tensor
+
+
+class ShapeMismatch(ValueError):
+    """Inputs whose shapes or dtypes differ from the ones the program was compiled for."""
+
+
+def check_inputs(prog: Program, inputs: Sequence[Tensor]) -> None:
+    g = prog.graph
+    if len(inputs) != len(g.inputs):
+        raise ShapeMismatch(f"expected {len(g.inputs)} tensor inputs, got {len(inputs)}")
+    for i, (name, t) in enumerate(zip(g.inputs, inputs)):
+        meta = g.meta(name)
+        if tuple(t.shape) != meta.shape or t.dtype != meta.dtype:
+            raise ShapeMismatch(
+                f"input {i} ({name}): compiled for {meta.dtype} {list(meta.shape)}, got "
+                f"{t.dtype} {list(t.shape)}; kiln programs have static shapes — compile again "
+                "for this shape"
+            )
+
+
+class ReferenceExecutor:
+    """Runs each chosen kernel's nodes through ATen, kernel by kernel."""
+
+    def __init__(self, prog: Program) -> None:
+        self.prog = prog
+
+    def __call__(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        check_inputs(self.prog, inputs)
+        return self.run_all(inputs)[0]
+
+    def run_all(self, inputs: Sequence[Tensor]) -> tuple[list[Tensor], dict[str, Tensor]]:
+        """Outputs plus every value any kernel wrote (for locating a divergence)."""
+        g = self.prog.graph
+        env: dict[str, Tensor] = dict(g.constants)
+        env.update(zip(g.inputs, inputs))
+        view_cache: dict[str, Tensor] = {}
+
+        def get(v: str) -> Tensor:
+            if v in env:
+                return env[v]
+            if v not in view_cache:  # a layout view: derive it from its producer's input
+                p = g.producer(v)
+                assert p is not None
+                view_cache[v] = eval_node(p, [get(i) for i in p.inputs])
+            return view_cache[v]
+
+        for k in self.prog.kernels:
+            for n in k.nodes:
+                node = g.node(n)
+                env[node.output] = eval_node(node, [get(i) for i in node.inputs])
+            for o in k.outputs:  # copy kernels materialise views
+                if o not in env:
+                    env[o] = get(o).contiguous()
+        outs = [get(o).contiguous() for o in g.outputs]
+        return outs, env
+
+
+class NativeExecutor:
+    """The generated program, loaded into the runtime extension."""
+
+    def __init__(self, prog: Program, cpp: CppProgram, so_path: str, runtime: Any) -> None:
+        g = prog.graph
+        self.prog, self.cpp = prog, cpp
+        externs = [(e.fn, [[n] for n in e.root_numels], e.root_dtypes) for e in cpp.externs]
+        self.native = runtime.Program(
+            so_path,
+            cpp.params,
+            max(64, cpp.arena_bytes),
+            [list(g.meta(i).shape) for i in g.inputs],
+            [g.meta(i).dtype for i in g.inputs],
+            [list(g.meta(o).shape) for o in g.outputs],
+            [g.meta(o).dtype for o in g.outputs],
+            externs,
+        )
+
+    def __call__(self, inputs: Sequence[Tensor]) -> list[Tensor]:
+        return self.native.run(list(inputs))

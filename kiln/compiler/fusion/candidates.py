@@ -1,0 +1,328 @@
+"""Candidate kernels: template-legal, convex, connected sets of primitive nodes.
+
+A ``Candidate`` is a set of IR nodes plus the codegen template that runs it
+(``pointwise``, ``reduction``, ``gemm``, ``conv`` or ``single``; the rules are
+in ``legal_template``). ``out(k)`` are the values it must store (graph outputs
+or values read outside the kernel, views included); ``in(k)`` are the storage
+roots it reads that it does not produce (constants excluded: always available).
+
+``enumerate_candidates`` grows connected sets from every seed node over direct
+producer/consumer edges, smallest first, using only nodes after the seed (so
+each set is generated from one seed, its first node). Each step adds one
+neighbour and takes the convex hull (every node on a path between members):
+any legal kernel containing the set contains its hull, so only convex sets are
+visited. A hull that breaks a rule no superset can repair (a view or an opaque
+op inside, two GEMMs, mismatched reductions, ...) is not grown further. Size
+and a per-seed budget bound the work: enumeration is polynomial in graph size.
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kiln.compiler.fusion.aliases import GraphIndex, members
+from kiln.compiler.ir.graph import LAYOUT_VIEWS, Graph, Node, OpClass, ValueKind
+
+log = logging.getLogger(__name__)
+
+TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "single")
+BOOL_OPS = frozenset(
+    {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
+)
+_FUSIBLE_DTYPES = (torch.float32, torch.bool)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One possible kernel. ``outputs``/``inputs`` are value names in graph order."""
+
+    template: str
+    nodes: frozenset[str]
+    outputs: tuple[str, ...]
+    inputs: tuple[str, ...]
+
+
+# -- per-node facts ------------------------------------------------------------
+def _node_kind(graph: Graph, node: Node) -> str:
+    """'pw', 'red', 'mm', 'conv' for nodes a native template may hold, else 'other'.
+
+    Native templates compute in float32 (bool only from comparison/logical ops and casts).
+    """
+    if node.cls == OpClass.LAYOUT:
+        return "view" if node.op in LAYOUT_VIEWS else "other"
+    out = graph.meta(node.output).dtype
+    out_ok = out == torch.float32 or (out == torch.bool and node.op in BOOL_OPS | {"cast"})
+    ins_ok = all(graph.meta(v).dtype in _FUSIBLE_DTYPES for v in node.inputs)
+    if not (out_ok and ins_ok):
+        return "other"
+    if node.cls == OpClass.POINTWISE:
+        return "pw"
+    if node.cls == OpClass.REDUCTION:
+        return "red"
+    if node.op in ("mm", "bmm"):
+        return "mm"
+    return "conv" if node.op == "conv" else "other"
+
+
+class TemplateRules:
+    """Template legality over one ``GraphIndex`` (node sets are bitsets).
+
+    ``template(mask)`` decides legality exactly; ``extendable(hull)`` checks only the
+    rules no superset can repair, to prune enumeration and greedy merging."""
+
+    def __init__(self, index: GraphIndex) -> None:
+        self.ix = index
+        g = index.graph
+        self.kind = [_node_kind(g, n) for n in index.nodes]
+        self.shape = [g.meta(n.output).shape for n in index.nodes]
+        self.blocked = 0  # nodes that never share a kernel
+        self.heavy = 0  # mm/bmm/conv: at most one per kernel
+        for i, k in enumerate(self.kind):
+            if k in ("view", "other"):
+                self.blocked |= 1 << i
+            if k in ("mm", "conv"):
+                self.heavy |= 1 << i
+
+    def _red_key(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        """(input shape, dims) of a row reduction (trailing dims, keepdim), else None."""
+        node = self.ix.nodes[i]
+        s_in = self.ix.graph.meta(node.inputs[0]).shape
+        r = len(s_in)
+        dims = tuple(sorted({d % r for d in node.attrs["dims"]})) if r else ()
+        if not dims or not node.attrs.get("keepdim") or dims != tuple(range(r - len(dims), r)):
+            return None
+        return s_in, dims
+
+    def extendable(self, hull: int) -> bool:
+        """Can some legal multi-node kernel contain ``hull``? (Monotone rules only.)"""
+        if hull & self.blocked or (hull & self.heavy).bit_count() > 1:
+            return False
+        ix, kinds = self.ix, self.kind
+        red_keys, shapes, mm_shape, conv_eps = set(), set(), None, 0
+        for i in members(hull):
+            if ix.view_src[i] & hull:
+                return False
+            k = kinds[i]
+            if k == "red":
+                red_keys.add(self._red_key(i))
+            elif k == "mm":
+                mm_shape = self.shape[i]
+            elif k == "pw":
+                shapes.add(self.shape[i])
+                conv_eps += 1
+        if None in red_keys or len(red_keys) > 1 or len(shapes) > 2:
+            return False
+        if mm_shape is not None:
+            return not red_keys and shapes <= {mm_shape}
+        if hull & self.heavy:  # conv: bias add, then relu or a clamp (hardtanh) at most
+            return not red_keys and conv_eps <= 3
+        if red_keys:
+            s_in, dims = next(iter(red_keys))  # type: ignore[misc]
+            return shapes <= {s_in, _keepdim(s_in, dims)}
+        return True
+
+    def template(self, mask: int) -> str | None:
+        """The template that runs this node set, or None if no template is legal."""
+        ix = self.ix
+        if not mask or mask & ~ix.fusible:
+            return None
+        if mask.bit_count() == 1:
+            k = self.kind[mask.bit_length() - 1]
+            return {"pw": "pointwise", "red": "reduction", "mm": "gemm", "conv": "conv"}.get(
+                k, "single"
+            )
+        if not self.extendable(mask) or not ix.is_convex(mask) or not self._connected(mask):
+            return None
+        by_kind: dict[str, list[int]] = {"pw": [], "red": [], "mm": [], "conv": []}
+        for i in members(mask):
+            by_kind[self.kind[i]].append(i)
+        if by_kind["mm"]:
+            return "gemm" if self._gemm_ok(mask, by_kind["mm"][0]) else None
+        if by_kind["conv"]:
+            return "conv" if self._conv_ok(mask, by_kind["conv"][0], by_kind["pw"]) else None
+        if by_kind["red"]:
+            return "reduction" if self._reduction_ok(mask, by_kind["red"][0]) else None
+        # pointwise: in-kernel reads are then same-shape by construction
+        return "pointwise" if len({self.shape[i] for i in by_kind["pw"]}) == 1 else None
+
+    def _reach(self, start: int, mask: int, edges: Sequence[int]) -> int:
+        """Nodes of ``mask`` reachable from the bitset ``start`` along ``edges``."""
+        seen, frontier = start, start
+        while frontier:
+            nxt = 0
+            for i in members(frontier):
+                nxt |= edges[i]
+            frontier = nxt & mask & ~seen
+            seen |= frontier
+        return seen
+
+    def _connected(self, mask: int) -> bool:
+        return self._reach(mask & -mask, mask, self.ix.nbr) == mask
+
+    def _gemm_ok(self, mask: int, g: int) -> bool:
+        """One mm/bmm; every other node is an epilogue of its output shape fed by it."""
+        reach = self._reach(1 << g, mask, self.ix.succ)
+        return reach == mask and all(self.shape[i] == self.shape[g] for i in members(mask))
+
+    def _conv_ok(self, mask: int, c: int, eps: list[int]) -> bool:
+        """conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)]
+        (the oneDNN post-ops: bias, relu, hardtanh), storing only the last value."""
+        ix, nodes = self.ix, self.ix.nodes
+        chain = [c] + sorted(eps)  # node indices are topological
+        ops = [nodes[i].op for i in chain[1:]]
+        if ops and ops[0] == "add":
+            ops = ops[1:]
+        if ops not in ([], ["relu"], ["maximum", "minimum"]):
+            return False
+        for prev, cur in zip(chain, chain[1:]):
+            node, prev_out = nodes[cur], nodes[prev].output
+            if self.shape[cur] != self.shape[c] or prev_out not in node.inputs:
+                return False
+            other = [v for v in node.inputs if v != prev_out]
+            if node.op == "add" and (
+                len(other) != 1 or not self._per_channel_param(other[0], self.shape[c])
+            ):
+                return False
+            if node.op in ("maximum", "minimum") and (
+                len(other) != 1 or self.ix.graph.values[other[0]].kind != ValueKind.CONST
+            ):
+                return False
+        for i in chain[:-1]:  # oneDNN post-ops do not store intermediates
+            out = nodes[i].output
+            if out in ix.outputs or any(not mask >> j & 1 for j in ix.consumers[out]):
+                return False
+        return True
+
+    def _per_channel_param(self, value: str, out_shape: tuple[int, ...]) -> bool:
+        g = self.ix.graph
+        if g.values[self.ix.root[value]].kind != ValueKind.PARAM:
+            return False
+        shape = g.meta(value).shape
+        if len(shape) > len(out_shape) or len(out_shape) < 2:
+            return False
+        padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
+        return padded[1] in (1, out_shape[1]) and all(
+            s == 1 for d, s in enumerate(padded) if d != 1
+        )
+
+    def _reduction_ok(self, mask: int, r0: int) -> bool:
+        """Row kernel: reductions share (input shape, trailing dims); pointwise nodes are
+        S_in or S_out shaped; in-kernel reads are same-shape or keepdim broadcasts."""
+        key = self._red_key(r0)
+        if key is None:
+            return False
+        s_in, s_out = key[0], _keepdim(*key)
+        ix, nodes = self.ix, self.ix.nodes
+        for i in members(mask):
+            for v in nodes[i].inputs:
+                p = ix.producer_pos(v)
+                if p is None or not mask >> p & 1:
+                    continue
+                have, want = self.shape[p], self.shape[i]
+                if self.kind[i] == "red":
+                    want = s_in
+                if have != want and not (have == s_out and want == s_in):
+                    return False
+        return True
+
+
+def _keepdim(s_in: tuple[int, ...], dims: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(1 if d in dims else s for d, s in enumerate(s_in))
+
+
+# -- candidate construction ----------------------------------------------------
+def kernel_io(index: GraphIndex, mask: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(out(k), in(k)) of a node bitset: stored values (graph outputs, or read by a node
+    outside, views included) and non-constant storage roots read from outside."""
+    outs: list[str] = []
+    ins: dict[str, None] = {}
+    for i in members(mask):
+        node = index.nodes[i]
+        v = node.output
+        if v in index.outputs or any(not mask >> j & 1 for j in index.consumers[v]):
+            outs.append(v)
+        for u in node.inputs:
+            r = index.root[u]
+            p = index.producer_pos(r)
+            if index.is_constant(r) or (p is not None and mask >> p & 1):
+                continue
+            ins[r] = None
+    return tuple(outs), tuple(ins)
+
+
+def build_candidate(index: GraphIndex, mask: int, template: str) -> Candidate:
+    """The candidate for a node bitset whose template is already known."""
+    outs, ins = kernel_io(index, mask)
+    return Candidate(template, index.names(mask), outs, ins)
+
+
+def legal_template(
+    graph: Graph, nodes: Iterable[str], index: GraphIndex | None = None
+) -> str | None:
+    """The template that may run ``nodes`` as one kernel, or None if none may."""
+    ix = index or GraphIndex(graph)
+    return TemplateRules(ix).template(ix.mask(nodes))
+
+
+def make_candidate(
+    graph: Graph, nodes: Iterable[str], index: GraphIndex | None = None
+) -> Candidate:
+    """The candidate kernel for a node set; raises ValueError if no template is legal."""
+    ix = index or GraphIndex(graph)
+    mask = ix.mask(nodes)
+    template = TemplateRules(ix).template(mask)
+    if template is None:
+        raise ValueError(f"no legal kernel template for nodes {sorted(ix.names(mask))}")
+    return build_candidate(ix, mask, template)
+
+
+def enumerate_candidates(
+    graph: Graph,
+    max_nodes: int = 12,
+    max_sets_per_seed: int = 128,
+    index: GraphIndex | None = None,
+) -> list[Candidate]:
+    """All legal candidate kernels of up to ``max_nodes`` live non-view nodes.
+
+    Every live non-view node gets its singleton candidate, so a program always
+    exists. ``max_sets_per_seed`` caps the sets explored from one seed (smallest
+    first); hitting it is logged, and only costs fusion opportunities.
+    """
+    ix = index or GraphIndex(graph)
+    rules = TemplateRules(ix)
+    out: list[Candidate] = []
+    for seed in members(ix.fusible):
+        seed_bit = 1 << seed
+        out.append(build_candidate(ix, seed_bit, rules.template(seed_bit) or "single"))
+        if not rules.extendable(seed_bit):
+            continue
+        above = ix.fusible & ~(seed_bit - 1)  # the seed and the nodes after it
+        # smallest sets first; each entry's descendants/ancestors ride along
+        heap = [(1, seed_bit)]
+        reach = {seed_bit: (ix.desc[seed], ix.anc[seed])}
+        while heap and len(reach) <= max_sets_per_seed:
+            _, mask = heapq.heappop(heap)
+            d, a = reach[mask]
+            frontier = 0
+            for i in members(mask):
+                frontier |= ix.nbr[i]
+            for u in members(frontier & above & ~mask):
+                d2, a2 = d | ix.desc[u], a | ix.anc[u]
+                hull = mask | 1 << u | (d2 & a2)  # any convex superset contains it
+                if hull in reach:
+                    continue
+                reach[hull] = (d2, a2)
+                if hull & ~above or hull.bit_count() > max_nodes or not rules.extendable(hull):
+                    continue
+                heapq.heappush(heap, (hull.bit_count(), hull))
+                t = rules.template(hull)
+                if t is not None:
+                    out.append(build_candidate(ix, hull, t))
+        if heap:
+            log.info("candidate budget reached at seed %s", ix.nodes[seed].name)
+    return out

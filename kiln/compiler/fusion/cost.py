@@ -1,0 +1,235 @@
+"""What a candidate kernel costs, in µs: a roofline estimate, or a cached measurement.
+
+Roofline: ``max(compute, memory) + fixed`` where
+
+* compute = GEMM/conv FLOPs / (peak x efficiency of the GEMM's shape class)
+  + other FLOPs / peak (about 1 per pointwise element, more for transcendentals);
+* memory = bytes / bandwidth, bytes = reads of in(k) and of parameters (each read
+  capped at its storage's size: a slice reads part of it, an expand no more than
+  it) + writes of out(k);
+* fixed = one library/PyTorch call for kernels that run as one (conv through
+  oneDNN, opaque ops), else one native kernel (a parallel region / a launch).
+
+Recomputation needs no special case: a node inside two chosen kernels is paid twice.
+Only ``HardwareProfile`` fields are used, so the same model serves any device.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from kiln.compiler.fusion.candidates import Candidate
+from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind
+from kiln.compiler.ir.layout import storage_root
+from kiln.core.cache import cache_dir
+from kiln.core.hardware import HardwareProfile
+
+_TRANSCENDENTAL = frozenset(
+    {"exp", "log", "tanh", "sigmoid", "erf", "sin", "cos", "log1p", "expm1", "pow"}
+)
+_DIVISION_LIKE = frozenset({"div", "sqrt", "rsqrt", "reciprocal"})
+FLOPS_TRANSCENDENTAL = 10.0  # a vectorised polynomial evaluation per element
+FLOPS_DIVISION = 4.0  # divide/sqrt throughput is a few FMAs
+EXTERN_OPS = frozenset({"opaque", "conv"})
+
+
+class GraphLookup:
+    """Node name -> Node and -> position for one graph, built once and reused."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.pos = {n.name: i for i, n in enumerate(graph.nodes)}
+
+    def ordered(self, candidate: Candidate) -> list[Node]:
+        """The candidate's nodes in graph (topological) order."""
+        return [self.by_name[n] for n in sorted(candidate.nodes, key=self.pos.__getitem__)]
+
+    def root(self, value: str) -> str:
+        return storage_root(self.graph, value)
+
+
+def gemm_flops(node: Node, graph: Graph) -> float:
+    """2*M*N*K (times batch) for mm/bmm; 2 * out elements * (Cin/groups * kernel) for conv."""
+    out = graph.meta(node.output).numel
+    w = graph.meta(node.inputs[1]).shape
+    if node.op == "conv":
+        per_out = 1
+        for s in w[1:]:  # (Cout, Cin/groups, *kernel)
+            per_out *= s
+        return 2.0 * out * per_out
+    k = graph.meta(node.inputs[0]).shape[-1]
+    return 2.0 * out * k
+
+
+def node_flops(node: Node, graph: Graph) -> float:
+    """Floating-point work of one non-GEMM node (0 for layout and opaque nodes)."""
+    if node.cls == OpClass.POINTWISE:
+        per = 1.0
+        if node.op in _TRANSCENDENTAL:
+            per = FLOPS_TRANSCENDENTAL
+        elif node.op in _DIVISION_LIKE:
+            per = FLOPS_DIVISION
+        return per * graph.meta(node.output).numel
+    if node.cls == OpClass.REDUCTION:
+        return float(graph.meta(node.inputs[0]).numel)
+    return 0.0
+
+
+def _nbytes(graph: Graph, value: str) -> int:
+    """Size of a value (``TensorMeta.nbytes`` without allocating a tensor per call)."""
+    meta = graph.meta(value)
+    return meta.numel * meta.dtype.itemsize
+
+
+def candidate_bytes(candidate: Candidate, graph: Graph, lookup: GraphLookup | None = None) -> float:
+    """Bytes a kernel moves: reads of in(k) and parameters, writes of out(k)."""
+    lk = lookup or GraphLookup(graph)
+    nodes = lk.ordered(candidate)
+    produced = {n.output for n in nodes}
+    read: dict[str, float] = {}  # storage root -> bytes read from it
+    seen: set[str] = set()
+    for n in nodes:
+        for v in n.inputs:
+            if v in produced or v in seen:
+                continue
+            seen.add(v)
+            root = lk.root(v)
+            if root in produced or graph.values[root].kind == ValueKind.CONST:
+                continue
+            read[root] = read.get(root, 0.0) + min(_nbytes(graph, v), _nbytes(graph, root))
+    reads = sum(min(b, _nbytes(graph, r)) for r, b in read.items())
+    writes = sum(_nbytes(graph, v) for v in candidate.outputs)
+    return float(reads + writes)
+
+
+def is_extern_kernel(candidate: Candidate, nodes: list[Node]) -> bool:
+    """Kernels run as a library/PyTorch call (oneDNN conv, opaque ops), not native loops.
+    ``nodes`` are the candidate's nodes."""
+    return candidate.template == "conv" or (
+        candidate.template == "single" and nodes[0].op in EXTERN_OPS
+    )
+
+
+def estimate(
+    candidate: Candidate,
+    graph: Graph,
+    profile: HardwareProfile,
+    lookup: GraphLookup | None = None,
+) -> float:
+    """Roofline estimate of one kernel's time in µs (see the module docstring).
+    Pass a ``GraphLookup`` when estimating many candidates of one graph."""
+    lk = lookup or GraphLookup(graph)
+    nodes = lk.ordered(candidate)
+    compute_us = 0.0
+    for n in nodes:
+        if n.cls == OpClass.GEMM:
+            f = gemm_flops(n, graph)
+            compute_us += f / (profile.peak_gflops * profile.efficiency(f) * 1e3)
+        else:
+            compute_us += node_flops(n, graph) / (profile.peak_gflops * 1e3)
+    memory_us = candidate_bytes(candidate, graph, lk) / (profile.mem_bw_gbs * 1e3)
+    extern = is_extern_kernel(candidate, nodes)
+    fixed = profile.extern_call_us if extern else profile.kernel_fixed_us
+    return max(compute_us, memory_us) + fixed
+
+
+def structure_key(candidate: Candidate, graph: Graph, profile_name: str) -> str:
+    """Hash of what a kernel's time depends on: template, ops, attributes, how operands
+    are wired and viewed, shapes and dtypes, and the device profile. Names and weight
+    values do not enter, so equal layers share one measurement."""
+    lk = GraphLookup(graph)
+    nodes, by_name = lk.ordered(candidate), lk.by_name
+    local = {n.output: i for i, n in enumerate(nodes)}
+    ins = {r: j for j, r in enumerate(candidate.inputs)}
+    entries = []
+    for n in nodes:
+        args: list[tuple[object, ...]] = []
+        for v in n.inputs:
+            if v in local:
+                args.append(("k", local[v]))
+                continue
+            chain, u = [], v
+            while u != (root := lk.root(u)):
+                p = by_name[graph.values[u].producer or ""]
+                chain.append((p.op, sorted(p.attrs.items())))
+                u = p.inputs[0]
+            where = ("in", ins[root]) if root in ins else ("const",)
+            meta, rmeta = graph.meta(v), graph.meta(root)
+            args.append((where, tuple(chain), meta.shape, str(meta.dtype), rmeta.shape))
+        attrs = sorted((k, str(a)) for k, a in n.attrs.items())
+        out = graph.meta(n.output)
+        entries.append(
+            (n.op, attrs, args, out.shape, str(out.dtype), n.output in candidate.outputs)
+        )
+    text = repr((candidate.template, entries, profile_name))
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class CostModel:
+    """Costs of candidates on one device: the roofline ``estimate``, or, when a
+    ``measure(candidate) -> µs`` callable is given, measurements cached on disk in a
+    JSON file keyed by ``structure_key`` (default ``<cache dir>/measured_costs.json``).
+    """
+
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        measure: Callable[[Candidate], float] | None = None,
+        cache_path: Path | None = None,
+    ) -> None:
+        self.profile = profile
+        self.measure = measure
+        self.cache_path = cache_path or cache_dir() / "measured_costs.json"
+        self._measured: dict[str, float] | None = None
+        self._lookup: GraphLookup | None = None
+
+    def lookup(self, graph: Graph) -> GraphLookup:
+        """The (cached) lookup of the graph most recently asked about."""
+        if self._lookup is None or self._lookup.graph is not graph:
+            self._lookup = GraphLookup(graph)
+        return self._lookup
+
+    def estimate(self, candidate: Candidate, graph: Graph) -> float:
+        """Roofline estimate (µs)."""
+        return estimate(candidate, graph, self.profile, self.lookup(graph))
+
+    def cost(self, candidate: Candidate, graph: Graph) -> float:
+        """Measured cost if a ``measure`` callable was given (cached), else the estimate."""
+        if self.measure is None:
+            return self.estimate(candidate, graph)
+        key = structure_key(candidate, graph, self.profile.name)
+        table = self._table()
+        if key not in table:
+            table[key] = float(self.measure(candidate))
+            self._store(key, table[key])
+        return table[key]
+
+    def costs(self, candidates: Iterable[Candidate], graph: Graph) -> dict[Candidate, float]:
+        """``cost`` of each candidate, as the mapping ``orchestrate`` takes."""
+        return {c: self.cost(c, graph) for c in candidates}
+
+    def _table(self) -> dict[str, float]:
+        if self._measured is None:
+            self._measured = self._read()
+        return self._measured
+
+    def _read(self) -> dict[str, float]:
+        try:
+            data = json.loads(self.cache_path.read_text(encoding="utf-8"))
+            return {str(k): float(v) for k, v in data.items()}
+        except (OSError, ValueError, AttributeError):
+            return {}
+
+    def _store(self, key: str, value: float) -> None:
+        """Merge one entry into the file (re-read first: other processes may write too)."""
+        data = self._read()
+        data[key] = value
+        self.cache_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
+        tmp.replace(self.cache_path)

@@ -1,0 +1,1 @@
+"""The compiler's intermediate representation: the primitive graph (``graph``), tensor layouts (``layout``) and what each primitive computes (``semantics``, the reference every backend is checked against)."""

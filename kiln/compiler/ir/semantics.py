@@ -1,0 +1,148 @@
+"""Reference semantics of every primitive op, as ATen calls.
+
+``eval_node`` is the single definition of what a primitive computes; the
+reference executor, the verification step and the kernel tests all use it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from kiln.compiler.ir.graph import Graph, Node
+
+Tensor = torch.Tensor
+
+_UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "erf": torch.erf,
+    "relu": torch.relu,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "log1p": torch.log1p,
+    "expm1": torch.expm1,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "round": torch.round,
+    "sign": torch.sign,
+    "logical_not": torch.logical_not,
+    "copy": lambda x: x.clone(memory_format=torch.contiguous_format),
+}
+_BINARY: dict[str, Callable[[Tensor, Tensor], Tensor]] = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "pow": torch.pow,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or,
+}
+
+
+def eval_node(node: Node, args: Sequence[Tensor]) -> Tensor:
+    """Compute one primitive node from its input tensors."""
+    op, a = node.op, node.attrs
+    if op in _UNARY:
+        return _UNARY[op](args[0])
+    if op == "cast":
+        return args[0].to(a["dtype"])
+    if op in _BINARY:
+        return _BINARY[op](args[0], args[1])
+    if op == "where":
+        return torch.where(args[0], args[1], args[2])
+    if op == "sum":
+        return torch.sum(args[0], dim=list(a["dims"]), keepdim=a["keepdim"])
+    if op == "max":
+        return torch.amax(args[0], dim=list(a["dims"]), keepdim=a["keepdim"])
+    if op == "min":
+        return torch.amin(args[0], dim=list(a["dims"]), keepdim=a["keepdim"])
+    if op == "mm":
+        return torch.mm(args[0], args[1])
+    if op == "bmm":
+        return torch.bmm(args[0], args[1])
+    if op == "conv":
+        return _conv(args, a)
+    if op == "view":
+        return args[0].reshape(a["shape"])
+    if op == "permute":
+        return args[0].permute(a["dims"])
+    if op == "expand":
+        return args[0].expand(a["shape"])
+    if op == "slice":
+        return args[0][(slice(None),) * a["dim"] + (slice(a["start"], a["end"], a["step"]),)]
+    if op == "index_select":
+        return torch.index_select(args[0], a["dim"], args[1])
+    if op == "cat":
+        return torch.cat(list(args), dim=a["dim"])
+    if op == "opaque":
+        return run_opaque(node, args)
+    raise NotImplementedError(f"no reference for primitive {op!r}")
+
+
+def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
+    x, w = args[0], args[1]
+    b = args[2] if len(args) > 2 else None
+    conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[w.dim() - 2]
+    return conv(x, w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def run_opaque(node: Node, args: Sequence[Tensor]) -> Tensor:
+    """Call the original ATen op. ``attrs["args"]``/``["kwargs"]`` hold the call
+    template where ``TensorArg(i)`` marks the i-th tensor input."""
+    tensors = list(args)
+
+    def fill(x: object) -> object:
+        if isinstance(x, TensorArg):
+            return tensors[x.index]
+        if isinstance(x, (list, tuple)):
+            return type(x)(fill(y) for y in x)
+        return x
+
+    call_args = fill(node.attrs["args"])
+    call_kwargs = {k: fill(v) for k, v in node.attrs.get("kwargs", {}).items()}
+    assert isinstance(call_args, (list, tuple))
+    out = node.attrs["target"](*call_args, **call_kwargs)
+    if isinstance(out, (tuple, list)):
+        out = out[node.attrs.get("output_index", 0)]
+    return out
+
+
+class TensorArg:
+    """Placeholder for the i-th tensor input inside an opaque op's call template."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+    def __repr__(self) -> str:
+        return f"TensorArg({self.index})"
+
+
+def run_graph(graph: Graph, inputs: Sequence[Tensor]) -> list[Tensor]:
+    """Execute a primitive graph node by node with ATen (the correctness oracle)."""
+    env: dict[str, Tensor] = dict(graph.constants)
+    if len(inputs) != len(graph.inputs):
+        raise ValueError(f"expected {len(graph.inputs)} inputs, got {len(inputs)}")
+    env.update(zip(graph.inputs, inputs))
+    for n in graph.nodes:
+        env[n.output] = eval_node(n, [env[i] for i in n.inputs])
+    return [env[o] for o in graph.outputs]

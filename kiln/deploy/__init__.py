@@ -1,0 +1,1 @@
+"""Deployment: turning a checkpoint into a running (or shipped) model: ``compress_job`` compresses one to an accuracy budget and saves it, ``generate_job`` runs a generation request on one process or on tensor/pipeline-parallel ranks; may import every part below the CLI except ``kiln.bench``."""

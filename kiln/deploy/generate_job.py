@@ -1,0 +1,245 @@
+"""Generating text with a loaded checkpoint: the library behind ``kiln generate``/``kiln run``.
+
+One request names the checkpoint, the prompt and how to run it; ``generate_text`` picks
+the path and reports what it did:
+  - ``tp * pp > 1``: ranks started by ``kiln.parallel.launch`` (gloo on CPU, NCCL on GPUs),
+    tensor-parallel shards inside pipeline stages; greedy decoding;
+  - ``offload="disk"``: every block's weights streamed from a file one block ahead
+    (``kiln.llm.offload``), run by the eager model;
+  - ``speculate=k``: the fast step verifying k guesses a round of an INT8 copy of the model
+    (``kiln.llm.speculative``): the same greedy text (sampled: the same distribution),
+    fewer full weight reads;
+  - otherwise the fast C++ decode step (``kiln.llm.fast_decoder.FastDecoder``) when it can run
+    the model, else the eager model — the reason is reported, never hidden.
+A packed GGUF (4-bit linear layers) gets an INT8 head by default: the tied fp32 head alone
+would be read whole every step (113 MB on SmolLM2, more than all 4-bit layers together).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.compress.configs import Int8WeightOnly
+from kiln.compress.modules import CompressedLinear
+from kiln.llm.generate import Decoder, EagerDecoder, Generation, Sampling, generate
+from kiln.models.load import LoadedModel, load_model
+from kiln.models.transformer import Transformer
+
+ENGINES = ("auto", "fast", "eager")
+HEADS = ("auto", "fp32", "int8")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """What to generate and how to run it."""
+
+    checkpoint: str  # an HF folder, a .gguf file, or "smollm2"
+    prompt: str
+    max_new_tokens: int = 64
+    sampling: Sampling = Sampling()
+    dtype: str = "float32"
+    packed: bool = True  # keep a GGUF's 4-bit layers packed (kiln's INT4 kernels)
+    head: str = "auto"  # HEADS; auto: INT8 head when the linear layers are compressed
+    engine: str = "auto"  # ENGINES
+    tp: int = 1
+    pp: int = 1
+    split: tuple[int, ...] | None = None  # layers per pipeline stage (default: even)
+    microbatches: int = 1
+    offload: str | None = None  # a folder: stream block weights from disk through it
+    chat: bool = False  # wrap the prompt in the tokenizer's chat template
+    timeout_s: float = 120.0  # parallel: longest stretch without progress on any rank
+    speculate: int = 0  # > 0: guesses per round of an INT8 draft (float weights)
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.head not in HEADS or self.engine not in ENGINES:
+            raise ValueError(
+                f"head must be one of {HEADS} and engine one of {ENGINES}, got "
+                f"{self.head!r}, {self.engine!r}"
+            )
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
+        if self.parallel and not self.sampling.greedy:
+            raise ValueError("parallel generation is greedy: drop --temperature or --tp/--pp")
+        if self.parallel and self.offload:
+            raise ValueError("offloading runs in one process: drop --offload or --tp/--pp")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.speculate < 0:
+            raise ValueError(f"speculate must be >= 0 guesses, got {self.speculate}")
+        if self.speculate and (self.parallel or self.offload or self.engine == "eager"):
+            raise ValueError("speculative decoding runs the fast step in one process: drop "
+                             "--speculate or --tp/--pp/--offload/--engine eager")  # fmt: skip
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp * self.pp > 1
+
+
+@dataclass
+class GenerateResult:
+    """The text, the tokens and timings, and how they were produced."""
+
+    text: str
+    generation: Generation
+    engine: str  # what ran, in words ("fast C++ decode step", "eager (reason)", ...)
+    load_s: float
+    weight_bytes: int  # bytes of weights one decode step reads (the tied head once more)
+    notes: list[str] = field(default_factory=list)
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of weights a decode step reads: every block and the head (a tied head is the
+    embedding table, read whole again); the embedding lookup reads one row only."""
+    blocks = sum(_tensor_bytes(layer) for layer in model.layers)
+    norm = sum(p.numel() * p.element_size() for p in model.final_norm.parameters())
+    return blocks + norm + _tensor_bytes(model.lm_head)
+
+
+def _tensor_bytes(module: torch.nn.Module) -> int:
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
+    """Apply the head option in place; return notes saying what changed."""
+    model = loaded.model
+    int8_head = request.head == "int8" or (request.head == "auto" and _compressed(model))
+    if not int8_head or isinstance(model.lm_head, CompressedLinear):
+        return []
+    from kiln.llm.fast_decoder import quantize_head_
+
+    quantize_head_(model, Int8WeightOnly())
+    return ["head quantized to INT8 per channel (untied from the fp32 embedding table)"]
+
+
+def _compressed(model: Transformer) -> bool:
+    """Whether any block's linear layer is compressed (a packed GGUF, a kiln checkpoint)."""
+    return any(isinstance(m, CompressedLinear) for m in model.layers.modules())
+
+
+def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
+    """Prompt text -> token ids (1, T)."""
+    if tokenizer is None:
+        raise ValueError("this checkpoint has no tokenizer: kiln cannot encode a text prompt")
+    if chat:
+        messages = [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return torch.tensor([ids], dtype=torch.long)
+
+
+def choose_decoder(
+    model: Transformer, request: GenerateRequest, batch: int, max_len: int
+) -> tuple[Decoder, str]:
+    """The fast C++ step when asked for (or ``auto`` and it can run the model), else eager."""
+    if request.engine == "eager":
+        return EagerDecoder(model, batch, max_len), "eager (asked for)"
+    from kiln.llm.fast_decoder import DecodeUnsupported, FastDecoder
+
+    try:
+        return FastDecoder(model, batch, max_len), "fast C++ decode step"
+    except DecodeUnsupported as err:
+        if request.engine == "fast":
+            raise
+        return EagerDecoder(model, batch, max_len), f"eager (fast step unavailable: {err})"
+
+
+def load_for_rank(request: GenerateRequest) -> Transformer:
+    """A rank's model (``model_factory`` of the parallel path; module-level, so picklable)."""
+    loaded = load_model(
+        request.checkpoint, DTYPES[request.dtype], request.packed, with_tokenizer=False
+    )
+    prepare(loaded, request)
+    return loaded.model
+
+
+def generate_text(
+    request: GenerateRequest, progress: Callable[[str], None] = lambda _: None
+) -> GenerateResult:
+    """Load, generate and time one request (see the module doc for the paths)."""
+    t0 = time.perf_counter()
+    progress(f"loading {request.checkpoint}")
+    loaded = load_model(request.checkpoint, DTYPES[request.dtype], request.packed)
+    notes = prepare(loaded, request)
+    load_s = time.perf_counter() - t0
+    prompt = encode_prompt(loaded.tokenizer, request.prompt, request.chat)
+    max_len = prompt.shape[1] + request.max_new_tokens
+    stops = loaded.config.eos_token_ids
+    nbytes = weight_bytes_per_token(loaded.model)
+    if request.parallel:
+        gen, engine = _generate_parallel(request, prompt, progress)
+    elif request.speculate:
+        gen, engine = _generate_speculative(loaded.model, request, prompt, stops, progress)
+        notes.append("tokens/s and GB/s count emitted tokens: a round reads the INT8 draft "
+                     "k times and the model once")  # fmt: skip
+    else:
+        if request.offload:
+            from kiln.llm.offload import offload_
+
+            progress(f"writing the offload store to {request.offload}")
+            offload_(loaded.model, Path(request.offload), tier="disk")
+            decoder: Decoder = EagerDecoder(loaded.model, 1, max_len)
+            engine = f"eager, block weights streamed from {request.offload}"
+        else:
+            decoder, engine = choose_decoder(loaded.model, request, 1, max_len)
+        progress(f"generating with the {engine}")
+        gen = generate(decoder, prompt, request.max_new_tokens, request.sampling, stops)
+    tokenizer = loaded.tokenizer  # encode_prompt refused a checkpoint without one
+    text = tokenizer.decode(gen.tokens[0].tolist(), skip_special_tokens=True) if tokenizer else ""
+    return GenerateResult(text, gen, engine, load_s, nbytes, notes)
+
+
+def _generate_parallel(
+    request: GenerateRequest, prompt: torch.Tensor, progress: Callable[[str], None]
+) -> tuple[Generation, str]:
+    from kiln.parallel.mesh import run_parallel
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    progress(f"starting {request.tp * request.pp} ranks ({backend})")
+    out = run_parallel(
+        partial(load_for_rank, request), prompt, request.max_new_tokens, request.tp,
+        request.pp, request.split, request.microbatches, request.timeout_s, backend,
+    )  # fmt: skip
+    if out.tokens is None:
+        raise RuntimeError("the last pipeline stage returned no tokens")
+    ends = out.step_end_s
+    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
+    gen = Generation(out.tokens[:, prompt.shape[1] :], prompt.shape[1], ends[0], steps)
+    return gen, f"tp={request.tp} x pp={request.pp} ranks ({backend}), eager stages"
+
+
+def _generate_speculative(
+    model: Transformer, request: GenerateRequest, prompt: torch.Tensor,
+    stops: tuple[int, ...], progress: Callable[[str], None],
+) -> tuple[Generation, str]:  # fmt: skip
+    """``model``'s text (greedy or sampled as the request says) by ``SpeculativeDecoder``,
+    with an INT8 copy of it as the draft."""
+    from kiln.llm.fast_decoder import FastDecoder
+    from kiln.llm.speculative import SpeculativeDecoder, quantized_draft
+
+    if _compressed(model) or isinstance(model.lm_head, CompressedLinear):
+        raise ValueError("--speculate drafts with an INT8 copy of float weights; this model is "
+                         "already compressed (a packed GGUF: add --unpacked)")  # fmt: skip
+    k, max_len = request.speculate, prompt.shape[1] + request.max_new_tokens
+    progress("quantizing the INT8 draft")
+    draft = FastDecoder(quantized_draft(model), 1, max_len)
+    spec = SpeculativeDecoder(FastDecoder(model, 1, max_len, max_chunk=k + 1), draft, k)
+    progress(f"generating: fast C++ step verifying {k} INT8 guesses a round")
+    gen = spec.generate(prompt, request.max_new_tokens, stops, sampling=request.sampling)
+    st = spec.stats
+    engine = (f"fast C++ decode step, speculative: {k} INT8-draft guesses a round, "
+              f"{st.acceptance:.0%} accepted, {st.tokens_per_round:.2f} tokens a round")  # fmt: skip
+    return gen, engine

@@ -1,0 +1,1 @@
+"""Decoding language models: one ``Decoder`` protocol and one generation loop (``generate``), sampling, the native decode step (``fast_decoder``, ``native/``), speculative decoding and weight streaming (``offload``); may import kiln.core, kernels, compress, quality and models."""

@@ -1,0 +1,224 @@
+"""Build, load and feed kiln's whole-model CPU decode step (``decode.cpp``).
+
+The extension is a tiny CPython module compiled with plain ``g++`` (as ``woq.py``'s: no
+torch headers, METH_FASTCALL taking plain integers, so a call costs well under a
+microsecond of binding work). It includes ``woq.cpp`` for the INT8 / INT4 kernels and
+``kiln_vec.h`` for pointwise math, and links libgomp (``-fopenmp``), which resolves to the
+copy torch has loaded: torch's one thread pool. The ``.so`` is cached under
+``<kiln cache>/decode/`` by a hash of every source it includes, the flags, the compiler,
+torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512 elsewhere).
+
+The model reaches C++ as a flat int64 *descriptor* (layout in decode_desc.h's header
+comment) built by ``Descriptor``: integers, floats as their double bits, tensors as data
+pointers. ``Descriptor`` keeps every tensor it points to alive. One linear layer is a
+``LinearArgs`` record (dense fp32 / bf16 / fp16, or INT8 / INT4 packed); ``linear`` runs one
+such record alone (tests, measurements).
+"""
+
+from __future__ import annotations
+
+import functools
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from kiln.core import native
+from kiln.kernels.cpu.woq import panels_int4, panels_int8
+from kiln.kernels.formats import check_int4, check_int8
+
+HERE = Path(__file__).resolve().parent
+SOURCES = (
+    "decode.cpp",
+    "decode_desc.h",
+    "decode_ops.h",
+    "decode_team.h",
+    "decode_gemv.h",
+    "decode_half.h",
+    "woq.cpp",
+    "woq_vec.h",
+    "kiln_vec.h",
+    "kiln_vec_pow.h",
+    "kiln_vec_trig.h",
+)
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fopenmp",  # libgomp.so.1: the copy torch has already loaded (torch's thread pool)
+    "-shared",
+    "-fPIC",
+    "-std=c++17",  # ISO mode: no implicit FMA contraction (products round like torch's)
+)
+
+KIND_NONE, KIND_FP32, KIND_INT8, KIND_INT4, KIND_BF16, KIND_FP16 = -1, 0, 1, 2, 3, 4
+LAYOUT_MAGIC = 0x6B696C6E64656302  # decode_desc.h kMagic
+# Storage codes of decode_half.h (the embedding table, the KV cache) and dense linear kinds.
+STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+DENSE_KINDS = {torch.float32: KIND_FP32, torch.bfloat16: KIND_BF16, torch.float16: KIND_FP16}
+LAYER_END = 0x6C61796572656E64  # decode.cpp kLayerEnd
+
+
+# ------------------------------------------------------------------ build
+def extension_key() -> str:
+    """Cache key of the extension: everything that changes its binary or its ABI."""
+    return native.extension_key([HERE / name for name in SOURCES], FLAGS)
+
+
+@functools.cache
+def load_extension() -> ModuleType:
+    """The decode extension, compiled on first use (~10 s) and cached on disk
+    (``native.load_plain_extension``)."""
+    return native.load_plain_extension("decode", [HERE / name for name in SOURCES], FLAGS)
+
+
+# ------------------------------------------------------------------ linear records
+def _ptr(t: Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _check_fp32(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
+    if t.dtype != torch.float32 or t.device.type != "cpu" or tuple(t.shape) != shape:
+        raise ValueError(
+            f"{name} must be a float32 CPU tensor of shape {shape}, "
+            f"got {t.dtype} {t.device.type} {tuple(t.shape)}"
+        )
+    return t.detach().contiguous()
+
+
+@dataclass(frozen=True)
+class LinearArgs:
+    """One linear layer as decode.cpp runs it: y (M, n) = x (M, k) @ W.T + bias.
+
+    ``weight`` is the dense (n, k) weight itself (fp32, bf16 or fp16), or woq.cpp's panel
+    layout (INT8: int8 (P, k, lanes) with ``scale`` (P * lanes,); INT4: uint8 group records,
+    ``group`` the group size). The record holds pointers; this object keeps the tensors alive.
+    """
+
+    kind: int
+    n: int
+    k: int
+    group: int
+    weight: Tensor
+    scale: Tensor | None
+    bias: Tensor | None
+
+    def record(self) -> list[int]:
+        """The 7-int64 LIN record of decode.cpp: kind, N, K, group, weight, scale, bias."""
+        return [self.kind, self.n, self.k, self.group, _ptr(self.weight), _ptr(self.scale),
+                _ptr(self.bias)]  # fmt: skip
+
+
+def _bias(bias: Tensor | None, n: int) -> Tensor | None:
+    return None if bias is None else _check_fp32("bias", bias.float(), (n,))
+
+
+def dense_args(weight: Tensor, bias: Tensor | None) -> LinearArgs:
+    """A dense linear layer, weight (N, K) fp32, bf16 or fp16 on the CPU, used in place (no
+    copy when contiguous); the kernel widens 16-bit weights to fp32 as it loads them."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D (N, K), got shape {tuple(weight.shape)}")
+    if weight.dtype not in DENSE_KINDS or weight.device.type != "cpu":
+        raise ValueError(
+            f"weight must be a float32, bfloat16 or float16 CPU tensor, got {weight.dtype} "
+            f"on {weight.device.type}"
+        )
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    return LinearArgs(DENSE_KINDS[w.dtype], n, k, 0, w, None, _bias(bias, n))
+
+
+def int8_args(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> LinearArgs:
+    """An INT8 weight-only layer (kiln.kernels.registry format), repacked into woq's panels."""
+    n, k = check_int8(qweight, scale)
+    lanes = load_extension().lanes()
+    w = panels_int8(qweight.contiguous(), lanes)  # (P, K, lanes)
+    padded = torch.zeros(w.shape[0] * lanes)
+    padded[:n] = scale
+    return LinearArgs(KIND_INT8, n, k, 0, w, padded, _bias(bias, n))
+
+
+def int4_args(
+    packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, bias: Tensor | None
+) -> LinearArgs:
+    """An INT4 weight-only layer (kiln.kernels.registry format), repacked into woq's records."""
+    n, k = check_int4(packed, scale, offset, group_size)
+    lanes = load_extension().lanes()
+    w = panels_int4(packed.contiguous(), scale.contiguous(), offset.contiguous(), group_size, lanes)
+    return LinearArgs(KIND_INT4, n, k, group_size, w, None, _bias(bias, n))
+
+
+NO_LINEAR = [KIND_NONE, 0, 0, 0, 0, 0, 0]
+
+
+def linear(args: LinearArgs, x: Tensor, threads: int | None = None) -> Tensor:
+    """Run one record alone: x float32 (M, K) -> (M, N), through decode.cpp's dispatch.
+
+    ``threads``: None picks like a step (torch's thread count; 1 below a few MB of
+    weights), a number forces that many."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (M, {args.k}), got shape {tuple(x.shape)}")
+    x = _check_fp32("x", x, (x.shape[0], args.k))
+    rec = torch.tensor(args.record(), dtype=torch.int64)
+    y = torch.empty(x.shape[0], args.n)
+    load_extension().linear(rec.data_ptr(), x.data_ptr(), x.shape[0], y.data_ptr(), threads or 0)
+    return y
+
+
+# ------------------------------------------------------------------ descriptor
+@dataclass
+class Descriptor:
+    """The int64 descriptor of a model under construction (decode.cpp's layout)."""
+
+    words: list[int] = field(default_factory=list)
+    keep: list[object] = field(default_factory=list)  # tensors pointed to
+    linears: list[tuple[int, LinearArgs]] = field(default_factory=list)  # (first word, record)
+    sealed: bool = False  # to_tensor was called: a snapshot points at the current tensors
+
+    def ints(self, *values: int) -> None:
+        self.words.extend(int(v) for v in values)
+
+    def float(self, value: float) -> None:
+        """A float, stored as its double's bits."""
+        self.words.append(struct.unpack("<q", struct.pack("<d", float(value)))[0])
+
+    def tensor(self, t: Tensor | None) -> None:
+        """A pointer to ``t`` (0 for None); ``t`` must already be contiguous."""
+        if t is not None:
+            if not t.is_contiguous() or t.device.type != "cpu":
+                raise ValueError(f"descriptor tensors must be contiguous CPU tensors: {t.shape}")
+            self.keep.append(t)
+        self.words.append(_ptr(t))
+
+    def norm(self, weight: Tensor | None, bias: Tensor | None) -> None:
+        """NORM: weight and bias pointers (fp32, contiguous)."""
+        for t in (weight, bias):
+            self.tensor(None if t is None else t.detach().float().contiguous())
+
+    def linear(self, args: LinearArgs | None) -> None:
+        """LIN: a linear layer's record (kind -1 for an absent one)."""
+        if args is None:
+            self.words.extend(NO_LINEAR)
+            return
+        self.linears.append((len(self.words), args))
+        self.words.extend(args.record())
+
+    def relocate(self, index: int, weight: Tensor) -> None:
+        """Point linear record ``index`` (of ``linears``) at ``weight``, a copy of its weight
+        elsewhere in memory (same dtype, shape and bytes); the old one is then released."""
+        if self.sealed:
+            raise RuntimeError("relocate after to_tensor: the snapshot would keep the old weight")
+        at, args = self.linears[index]
+        if weight.dtype != args.weight.dtype or weight.shape != args.weight.shape:
+            raise ValueError(f"relocated weight {weight.dtype} {tuple(weight.shape)} differs "
+                             f"from {args.weight.dtype} {tuple(args.weight.shape)}")  # fmt: skip
+        self.linears[index] = (at, replace(args, weight=weight))
+        self.words[at + 4] = weight.data_ptr()  # the record's weight pointer
+
+    def to_tensor(self) -> Tensor:
+        """The descriptor as C++ reads it: a snapshot, so no record may move afterwards."""
+        self.sealed = True
+        return torch.tensor(self.words, dtype=torch.int64)

@@ -1,0 +1,115 @@
+"""Lowerings that the decomposition step usually hides (linear, matmul, mv,
+scaled addmm), exercised on the un-decomposed export, plus edge cases of the
+conversion (outputs that are inputs or parameters, factories)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kiln.compiler.capture import capture, fallback_report
+from kiln.compiler.capture.export import to_graph
+from kiln.compiler.capture.passes import optimize
+from kiln.compiler.ir.graph import Graph, ValueKind
+from kiln.compiler.ir.semantics import run_graph
+from tests.helpers import assert_close_to_reference
+
+
+def raw_graph(model: nn.Module, inputs: tuple[Tensor, ...]) -> Graph:
+    """Lower the export *without* run_decompositions (CIA ops kept)."""
+    with torch.no_grad():
+        ep = torch.export.export(model.eval(), inputs)
+        graph, _ = to_graph(ep)
+        return optimize(graph)
+
+
+class Products(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(5, 4))
+        self.b = nn.Parameter(torch.randn(5))
+
+    def forward(self, x: Tensor, y: Tensor, z: Tensor, v: Tensor) -> tuple[Tensor, ...]:
+        a = F.linear(x, self.w, self.b)  # (2, 3, 5)
+        b = torch.matmul(y, z)  # (2, 1, 3, 4) @ (3, 4, 2): broadcast batch -> (2, 3, 3, 2)
+        c = torch.matmul(x, self.w.t())  # (2, 3, 5)
+        d = torch.mv(self.w, v)  # (5,)
+        e = torch.addmm(self.b, x[0], self.w.t(), beta=0.5, alpha=2.0)  # (3, 5)
+        return a, b, c, d, e
+
+
+def test_products_lower_to_mm_and_bmm() -> None:
+    torch.manual_seed(0)
+    model = Products()
+    inputs = (torch.randn(2, 3, 4), torch.randn(2, 1, 3, 4), torch.randn(3, 4, 2), torch.randn(4))
+    g = raw_graph(model, inputs)
+    assert not fallback_report(g)
+    ops = [n.op for n in g.nodes]
+    assert ops.count("bmm") == 1
+    assert ops.count("mm") == 3  # linear and x @ w.t() share one mm after CSE
+    for n in g.nodes:
+        if n.op == "mm" and n.inputs[1] in g.constants:
+            assert g.values[n.inputs[1]].kind == ValueKind.PARAM
+            assert g.constants[n.inputs[1]].is_contiguous()
+    with torch.no_grad():
+        expected = model(*inputs)
+    assert_close_to_reference(tuple(run_graph(g, list(inputs))), expected)
+
+
+class Passthrough(nn.Module):
+    """Outputs that are an input, a parameter, a repeated value and a factory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(3))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        y = x * self.scale
+        return x, self.scale, y, y, torch.zeros(2, 3) + torch.full((3,), 2.5)
+
+
+def test_passthrough_outputs_and_factories() -> None:
+    model = Passthrough()
+    x = torch.randn(2, 3)
+    result = capture(model, (x,))
+    g = result.graph
+    assert g.outputs[0] == "x"
+    assert g.values[g.outputs[1]].kind == ValueKind.PARAM
+    assert g.outputs[2] == g.outputs[3]
+    assert g.outputs[4] in g.constants  # the factory arithmetic folds away
+    with torch.no_grad():
+        expected = model(x)
+    assert_close_to_reference(result.unflatten(run_graph(g, [x])), expected)
+
+
+class Stats(nn.Module):
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:  # (4, 6)
+        return (
+            x.var(0),
+            x.var(-1, keepdim=True, correction=0),
+            x.std(1),
+            torch.logsumexp(x, dim=1),
+            x.sum(),
+            x.amin(0),
+            x.max(),
+            (x > 0).any(-1),
+            torch.linalg.vector_norm(x, dim=-1),
+        )
+
+
+def test_statistics_are_primitive() -> None:
+    x = torch.randn(4, 6) * 3 + 1
+    result = capture(Stats(), (x,))
+    assert not result.fallbacks
+    assert_close_to_reference(result.unflatten(run_graph(result.graph, [x])), Stats()(x))
+
+
+def test_gelu_tanh_and_exact_match_torch_over_a_wide_range() -> None:
+    class Gelus(nn.Module):
+        def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+            return F.gelu(x), F.gelu(x, approximate="tanh")
+
+    x = torch.linspace(-8, 8, 1001)
+    result = capture(Gelus(), (x,))
+    assert_close_to_reference(result.unflatten(run_graph(result.graph, [x])), Gelus()(x))
