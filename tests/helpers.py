@@ -1,34 +1,32 @@
-"""Shared test helpers."""
+"""The one reference-compare helper of kiln's tests, over ``kiln.core.compare``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-import torch
+from torch import Tensor
 
-# Low-precision dtypes cannot meet a float32 tolerance: their rounding step
-# alone is ~1e-3 (float16) / ~8e-3 (bfloat16) of the magnitude.
-_DTYPE_FLOOR = {torch.float16: 1e-3, torch.bfloat16: 8e-3}
+from kiln.core.compare import compare
 
 
 def assert_close_to_reference(actual: Any, expected: Any, rtol_to_max: float = 1e-5) -> None:
     """Assert ``actual`` matches the reference ``expected``.
 
-    Works on tensors and on nested tuples/lists/dicts of them (and plain
-    python scalars). For each tensor pair it checks, in order: shape, dtype,
-    then values. Floating values pass when max |actual - expected| <=
-    rtol_to_max * max |expected| (error relative to the reference's largest
-    magnitude, so tiny entries don't dominate); non-finite entries must match
-    exactly; integer and bool tensors must be equal.
+    Works on tensors and on nested tuples/lists/dicts of them (and plain python
+    scalars). For each tensor pair ``kiln.core.compare.compare`` checks, in order: shape,
+    dtype, non-finite entries, then values: max |actual - expected| <= rtol_to_max * max
+    |expected| (never below the dtype's rounding step); integer and bool tensors must be
+    equal.
     """
     _compare(actual, expected, rtol_to_max, "output")
 
 
 def _compare(actual: Any, expected: Any, tol: float, path: str) -> None:
-    if isinstance(expected, torch.Tensor):
-        assert isinstance(actual, torch.Tensor), f"{path}: expected a tensor, got {type(actual)}"
-        _compare_tensors(actual, expected, tol, path)
+    if isinstance(expected, Tensor):
+        assert isinstance(actual, Tensor), f"{path}: expected a tensor, got {type(actual)}"
+        verdict = compare(actual, expected, tol)
+        assert verdict.ok, f"{path}: {verdict.detail}"
     elif isinstance(expected, Mapping):
         assert isinstance(actual, Mapping), f"{path}: expected a mapping, got {type(actual)}"
         assert list(actual.keys()) == list(expected.keys()), (
@@ -44,33 +42,3 @@ def _compare(actual: Any, expected: Any, tol: float, path: str) -> None:
             _compare(a, e, tol, f"{path}[{i}]")
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
-
-
-def _compare_tensors(actual: torch.Tensor, expected: torch.Tensor, tol: float, path: str) -> None:
-    assert actual.shape == expected.shape, f"{path}: shape {actual.shape} != {expected.shape}"
-    assert actual.dtype == expected.dtype, f"{path}: dtype {actual.dtype} != {expected.dtype}"
-    a, e = actual.detach().cpu(), expected.detach().cpu()
-    if a.numel() == 0:
-        return
-    if not (e.is_floating_point() or e.is_complex()):
-        mismatch = (a != e).sum().item()
-        assert mismatch == 0, f"{path}: {mismatch} of {e.numel()} entries differ"
-        return
-    a64, e64 = (
-        a.to(torch.complex128 if e.is_complex() else torch.float64),
-        e.to(torch.complex128 if e.is_complex() else torch.float64),
-    )
-    finite = torch.isfinite(e64)
-    same_nonfinite = torch.equal(torch.isfinite(a64), finite) and torch.equal(
-        a64[~finite].real.nan_to_num(0.0), e64[~finite].real.nan_to_num(0.0)
-    )
-    assert same_nonfinite, f"{path}: non-finite entries differ"
-    if not finite.any():
-        return
-    scale = e64[finite].abs().max().item()
-    err = (a64[finite] - e64[finite]).abs().max().item()
-    limit = max(tol, _DTYPE_FLOOR.get(e.dtype, 0.0)) * max(scale, torch.finfo(torch.float32).tiny)
-    assert err <= limit, (
-        f"{path}: max abs error {err:.3e} > {limit:.3e} "
-        f"(= {max(tol, _DTYPE_FLOOR.get(e.dtype, 0.0)):.1e} x max |expected| {scale:.3e})"
-    )

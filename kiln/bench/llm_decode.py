@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import signal
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from typing import Any
 from kiln.bench import RESULTS_DIR, system
 from kiln.bench.llm_decode_peers import CONTENDERS
 from kiln.bench.suite_runner import Worker, timed_request, worker_env
+from kiln.core.offline import hub_offline
 
 DEFAULT_PROMPT = "The old lighthouse keeper climbed the narrow stairs every evening to light the lamp, and one stormy night he saw"
 DEFAULT_CONTENDERS = ("hf", "llamacpp", "kiln-eager", "kiln-fast", "kiln-int4")
@@ -54,7 +54,7 @@ def tokenize_prompt(text: str) -> list[int]:
     """Token ids of ``text`` with SmolLM2's tokenizer (read from the GGUF file, offline)."""
     from kiln.models.catalog import smollm2_gguf_path
 
-    os.environ["HF_HUB_OFFLINE"] = os.environ["TRANSFORMERS_OFFLINE"] = "1"
+    hub_offline()
     from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()

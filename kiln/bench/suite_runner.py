@@ -32,6 +32,7 @@ from kiln.bench.contenders import canonical
 from kiln.bench.roofline import device_peak, model_roofline
 from kiln.bench.suite import get
 from kiln.bench.suite_worker import THREADS
+from kiln.core.offline import offline_env
 
 REPO = Path(__file__).resolve().parents[2]  # the folder holding the kiln package
 PEERS = ("eager", "inductor", "ort", "openvino")
@@ -126,7 +127,7 @@ def worker_env(cache_dir: Path) -> dict[str, str]:
     ):
         env[var] = str(THREADS)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
-    env["HF_HUB_OFFLINE"] = env["TRANSFORMERS_OFFLINE"] = "1"
+    env = offline_env(env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env
 

@@ -100,10 +100,3 @@ def mask_24_from_scores(scores: Tensor) -> Tensor:
     keep = torch.zeros_like(groups, dtype=torch.bool)
     keep.scatter_(-1, groups.topk(2, dim=-1).indices, True)
     return keep.reshape(n, k)
-
-
-def sqnr_db(reference: Tensor, approx: Tensor) -> float:
-    """Signal-to-quantization-noise ratio in dB: 10 log10(|ref|^2 / |ref - approx|^2)."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).sum().clamp_min(1e-300)
-    return float(10 * torch.log10(ref.pow(2).sum() / noise))

@@ -10,7 +10,6 @@ original's; both calibrate on *Emma*.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +39,7 @@ from kiln.compress.workflow import (
     compress_to_budget,
     model_nbytes,
 )
+from kiln.core.offline import hub_offline
 
 BUILTIN = ("smollm2", "minilm")
 
@@ -65,8 +65,7 @@ def load_checkpoint(spec: str) -> Loaded:
     path = Path(spec)
     if not path.exists():
         raise FileNotFoundError(f"{spec}: no such file or directory (built-in names: {BUILTIN})")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    hub_offline()
     import transformers
 
     if path.is_file():

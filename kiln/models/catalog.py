@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.core.cache import cache_dir
+from kiln.core.offline import hub_offline
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -97,12 +98,6 @@ def real_models_available() -> bool:
     return smollm2_available() and minilm_available()
 
 
-def _go_offline() -> None:
-    """Forbid Hugging Face downloads (read when transformers/huggingface_hub are imported)."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    os.environ["TRANSFORMERS_OFFLINE"] = "1"
-
-
 def _smollm2_cache(gguf: Path) -> Path:
     """Cache folder of the dequantized model, keyed by the GGUF file and transformers version."""
     import transformers
@@ -153,7 +148,7 @@ def load_smollm2(
     written on first use; without it the GGUF file is dequantized in memory every time.
     """
     gguf = smollm2_gguf_path()
-    _go_offline()
+    hub_offline()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     start = time.perf_counter()
@@ -174,7 +169,7 @@ def load_smollm2(
 def load_minilm() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """all-MiniLM-L6-v2 as a Hugging Face ``BertModel`` (fp32, eval mode) + tokenizer."""
     folder = minilm_dir()
-    _go_offline()
+    hub_offline()
     from transformers import AutoModel, AutoTokenizer
 
     model = AutoModel.from_pretrained(folder, dtype=torch.float32)

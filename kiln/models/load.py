@@ -15,7 +15,6 @@ memory-mapped file; packed GGUF layers replace their ``nn.Linear`` with ``Int4Li
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.compress.modules import CompressedLinear
+from kiln.core.offline import hub_offline
 from kiln.models import catalog, compressed, hf
 from kiln.models import gguf as gguf_reader
 from kiln.models.config import ModelConfig
@@ -101,8 +101,7 @@ def _resolve(path: str | Path) -> Path:
 
 def _auto_tokenizer(folder: Path, **kwargs: Any) -> Any:
     """The checkpoint's tokenizer through transformers, offline."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    hub_offline()
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), **kwargs)

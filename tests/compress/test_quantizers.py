@@ -7,6 +7,7 @@ import torch
 
 from kiln.compress import obs
 from kiln.compress import quantizers as qz
+from kiln.core.compare import sqnr_db
 from kiln.kernels.formats import pack_int4, unpack_int4
 
 
@@ -18,7 +19,7 @@ def test_int8_sqnr_above_35db() -> None:
     w = gaussian(256, 512)
     q, scale = qz.quantize_int8(w)
     assert q.dtype == torch.int8 and scale.shape == (256,)
-    assert qz.sqnr_db(w, q.float() * scale[:, None]) > 35
+    assert sqnr_db(w, q.float() * scale[:, None]) > 35
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])
@@ -29,7 +30,7 @@ def test_int4_sqnr_and_grid(group_size: int, symmetric: bool) -> None:
     assert q.max() <= 15 and scale.dtype == torch.float16 and scale.shape == (64, 256 // group_size)
     deq = qz.dequantize_int4_codes(q, scale, offset)
     if group_size == 32:
-        assert qz.sqnr_db(w, deq) > 18
+        assert sqnr_db(w, deq) > 18
     # every weight lands within half a step of its grid value (plus clamping at the ends)
     step = scale.float().repeat_interleave(group_size, dim=1)
     lo = offset.float().repeat_interleave(group_size, dim=1)

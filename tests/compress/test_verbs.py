@@ -17,7 +17,7 @@ from kiln.compress import (
     sparsify_,
 )
 from kiln.compress.moments import collect_stats, input_moments, linear_layers
-from kiln.compress.quantizers import sqnr_db
+from kiln.core.compare import sqnr_db
 from tests.compress.toy import correlated_inputs, toy_mlp
 
 

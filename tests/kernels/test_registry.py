@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.core.compare import sqnr_db
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from kiln.kernels.registry import int4_weight_only, int8_weight_only
 from tests.helpers import assert_close_to_reference
@@ -38,11 +39,6 @@ def _int4_weights(
     else:
         offset = (torch.randn(n, k // g, generator=gen) * 0.1).half()
     return packed, scale, offset
-
-
-def _sqnr_db(signal: torch.Tensor, approx: torch.Tensor) -> float:
-    noise = (signal.double() - approx.double()).pow(2).sum()
-    return 10 * torch.log10(signal.double().pow(2).sum() / noise).item()
 
 
 # ------------------------------------------------------------------ reference
@@ -106,7 +102,7 @@ def test_int8_sqnr_on_gaussian_weights() -> None:
     scale = w.abs().amax(dim=1) / 127  # (N,)
     q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
     x = torch.randn(8, 576, generator=gen)
-    assert _sqnr_db(F.linear(x, w), int8_weight_only(q, scale)(x)) > 35
+    assert sqnr_db(F.linear(x, w), int8_weight_only(q, scale)(x)) > 35
 
 
 def test_int4_g32_sqnr_on_gaussian_weights() -> None:
@@ -120,7 +116,7 @@ def test_int4_g32_sqnr_on_gaussian_weights() -> None:
     codes = codes.clamp(0, 15).to(torch.uint8).view(n, k)
     packed = codes[:, 0::2] | (codes[:, 1::2] << 4)  # (N, K // 2)
     x = torch.randn(8, k, generator=gen)
-    assert _sqnr_db(F.linear(x, w), int4_weight_only(packed, scale, offset, g)(x)) > 18
+    assert sqnr_db(F.linear(x, w), int4_weight_only(packed, scale, offset, g)(x)) > 18
 
 
 # ------------------------------------------------------------------ validation

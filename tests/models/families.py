@@ -8,13 +8,13 @@ exercised), large enough that the greedy argmax is decided by the weights, not b
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-os.environ["HF_HUB_OFFLINE"] = "1"
-os.environ["TRANSFORMERS_OFFLINE"] = "1"
+from kiln.core.offline import hub_offline
+
+hub_offline()
 
 import gguf  # noqa: E402
 import numpy as np  # noqa: E402

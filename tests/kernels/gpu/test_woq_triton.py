@@ -6,8 +6,6 @@ Weights are quantized here by plain round-to-nearest, independently of kiln.comp
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 from torch import Tensor
@@ -15,6 +13,7 @@ from torch import Tensor
 from tests.helpers import assert_close_to_reference
 
 pytest.importorskip("triton")
+from kiln.core.compare import sqnr_db  # noqa: E402
 from kiln.kernels.gpu import woq_triton as woq  # noqa: E402  (after the importorskip)
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -73,11 +72,6 @@ def ref_int4(
     return x.double() @ w.T
 
 
-def sqnr_db(y: Tensor, ref: Tensor) -> float:
-    noise = (y.double() - ref.double()).pow(2).sum().item()
-    return 10 * math.log10(ref.double().pow(2).sum().item() / max(noise, 1e-300))
-
-
 def weights(n: int, k: int, device: torch.device, seed: int) -> Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(n, k, generator=gen).to(device)
@@ -116,7 +110,7 @@ def test_int8_sqnr_on_gaussian_weights(device: torch.device) -> None:
     w = weights(64, 256, device, seed=1)
     x = torch.randn(16, 256, device=device)
     q, scale = rtn_int8(w)
-    assert sqnr_db(woq.int8_matmul(x, q, scale), x.double() @ w.double().T) > 35.0
+    assert sqnr_db(x.double() @ w.double().T, woq.int8_matmul(x, q, scale)) > 35.0
 
 
 @pytest.mark.parametrize("symmetric", [True, False], ids=["sym", "asym"])
@@ -125,7 +119,7 @@ def test_int4_g32_sqnr_on_gaussian_weights(symmetric: bool, device: torch.device
     x = torch.randn(16, 256, device=device)
     packed, scale, offset = rtn_int4(w, 32, symmetric)
     y = woq.int4_matmul(x, packed, scale, offset, 32)
-    assert sqnr_db(y, x.double() @ w.double().T) > 18.0
+    assert sqnr_db(x.double() @ w.double().T, y) > 18.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
