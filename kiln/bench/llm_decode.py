@@ -283,7 +283,8 @@ def run_decode(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"decode-{result['device']['slug']}-{now:%Y%m%d}{'-' + tag if tag else ''}.json"
-    result["path"], result["markdown_path"] = str(path), str(path.with_suffix(".md"))
+    result["path"] = system.portable_path(path)
+    result["markdown_path"] = system.portable_path(path.with_suffix(".md"))
     path.write_text(json.dumps(result, indent=1, default=str))
     path.with_suffix(".md").write_text(render_markdown(result))
     return result

@@ -103,7 +103,7 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
     }  # fmt: skip
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"speculative-{device['slug']}-{now:%Y%m%d}.json"
-    result["path"] = str(path)
+    result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(render_markdown(result))
     return result

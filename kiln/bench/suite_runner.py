@@ -303,6 +303,6 @@ def run_suite(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{result['device']['slug']}-{now:%Y%m%d}.json"
-    result["path"] = str(path)
+    result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1, default=str))
     return result

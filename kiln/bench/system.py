@@ -9,6 +9,7 @@ import re
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 
@@ -112,3 +113,17 @@ def wait_quiet(max_wait_s: float, threshold: float, sample_s: float = 0.1) -> fl
         share = (b1 - b0) / max(t1 - t0, 1)
         if share <= threshold or time.monotonic() >= deadline:
             return round(share, 3)
+
+
+def portable_path(path: str | Path) -> str:
+    """``path`` as a result file records it, with nothing of this machine's layout in it:
+    relative to the working directory when under it, ``<package>/...`` when inside an
+    installed package (``site-packages``), else its file name alone."""
+    p = Path(path).absolute()
+    parts = p.parts
+    if "site-packages" in parts:
+        return "/".join(parts[parts.index("site-packages") + 1 :])
+    try:
+        return p.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return p.name

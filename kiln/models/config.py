@@ -84,14 +84,6 @@ class ModelConfig:
         if self.positions == "rope" and self.head_dim % 2:
             raise ConfigError(f"rotary positions need an even head_dim, got {self.head_dim}")
 
-    @property
-    def q_size(self) -> int:
-        return self.n_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.n_kv_heads * self.head_dim
-
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: it attends to every earlier token)."""
         return self.sliding_windows[layer] if self.sliding_windows else None

@@ -22,6 +22,7 @@ from typing import Any, Literal
 import torch
 
 from kiln.bench.llm_decode_peers import THREADS, Generation, kv_position_bytes
+from kiln.bench.system import portable_path
 
 
 def timed_greedy(
@@ -116,7 +117,7 @@ class KilnDecode:
             kv_note = "assumed fp32 (the decoder exposes no cache)"
         return {
             "runtime": f"kiln {self.variant}, torch {torch.__version__}",
-            "source": source,
+            "source": portable_path(source),
             "dtype": {"int4": "int4 packed", "bf16": "bfloat16"}.get(self.variant, "float32"),
             "threads": torch.get_num_threads(),
             # What one step reads: blocks, final norm and head. An untied fp32 embedding

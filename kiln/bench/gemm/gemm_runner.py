@@ -287,6 +287,6 @@ def run_gemm(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"gemm-{result['device']['slug']}-{now:%Y%m%d}.json"
-    result["path"] = str(path)
+    result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1, default=str))
     return result

@@ -67,9 +67,6 @@ class Program:
         assert isinstance(a, Access), f"{value} needs materialising ({a})"
         return a
 
-    def uses_extern(self, k: Kernel) -> bool:
-        return any(self.storage[o].slot == Slot.EXTERN for o in k.outputs)
-
 
 EXTERN_TEMPLATES = {"conv"}
 

@@ -30,7 +30,7 @@ def test_cache_hit_does_not_run_the_compiler(cache: Path, monkeypatch: pytest.Mo
         runs.append(cmd)
         real(cmd)
 
-    monkeypatch.setattr(build, "_run_compiler", counting)
+    monkeypatch.setattr(build, "run_compiler", counting)
     so, hit = build.compile_program(SOURCE, return_cache_hit=True)
     assert not hit and len(runs) == 1 and so.parent == cache / "programs"
     mtime = so.stat().st_mtime_ns
