@@ -1,7 +1,8 @@
 """Compression configs: one frozen, validated dataclass per method.
 
-Each config names *what* to do to a linear layer; the verbs in ``kiln.compress``
-(``quantize_``, ``sparsify_``, ``lowrank_``) apply it. A config also has a short
+Each config names *what* to do to a linear layer; ``methods.py`` registers *how* (one
+record per config type), and the verbs in ``kiln.compress`` (``quantize_``, ``sparsify_``,
+``lowrank_``) apply it. A config also has a short
 ``name`` used in reports and in the per-layer plan (``"int4-g64"``).
 """
 
@@ -110,15 +111,6 @@ class LowRank:
 
 
 CompressionConfig = Int8WeightOnly | Int4WeightOnly | SemiStructured24 | LowRank
-
-
-def needs_calibration(config: CompressionConfig) -> bool:
-    """Whether ``config`` needs the layer's calibration inputs (their second moment)."""
-    if isinstance(config, Int8WeightOnly | Int4WeightOnly):
-        return config.method == "gptq"
-    if isinstance(config, SemiStructured24):
-        return config.method == "sparsegpt"
-    return config.activation_aware
 
 
 def _check_method(method: str) -> None:

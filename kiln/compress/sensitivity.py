@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from kiln.compress.configs import CompressionConfig, LowRank
-from kiln.compress.layer import NoSaving, compress_linear, weight_error
+from kiln.compress.configs import CompressionConfig
+from kiln.compress.layer import compress_linear, weight_error
+from kiln.compress.methods import NoSaving, method_of
 from kiln.compress.modules import CompressedLinear, dense_nbytes
 from kiln.compress.moments import LayerStats
 from kiln.compress.obs import InputMoment
@@ -136,7 +137,7 @@ def _compress_group(
     Layers the config cannot take (shape) or that would not shrink are left out."""
     layers = {n: m for n, m in members.items() if supports(config, m)}
     stackable = (
-        not isinstance(config, LowRank) and len({m.bias is None for m in layers.values()}) == 1
+        method_of(config).rows_independent and len({m.bias is None for m in layers.values()}) == 1
     )
     if len(layers) > 1 and stackable:
         stacked = _stack(list(layers.values()))

@@ -24,9 +24,9 @@ from kiln.compress.configs import (
     LowRank,
     SemiStructured24,
 )
-from kiln.compress.layer import NoSaving, compress_linear
+from kiln.compress.layer import compress_linear
+from kiln.compress.methods import METHODS, NoSaving, Verb, method_of
 from kiln.compress.moments import linear_layers
-from kiln.kernels.formats import INT4_GROUP_SIZES
 
 FilterFn = Callable[[nn.Module, str], bool]
 
@@ -39,9 +39,7 @@ def quantize_(
     calibration: Mapping[str, Tensor] | None = None,
 ) -> list[str]:
     """Replace linear layers by weight-only INT8 / INT4 layers."""
-    if not isinstance(config, Int8WeightOnly | Int4WeightOnly):
-        raise TypeError(f"quantize_ takes Int8WeightOnly or Int4WeightOnly, got {config!r}")
-    return _apply(model, config, filter_fn, calibration)
+    return _apply(model, config, filter_fn, calibration, "quantize_")
 
 
 def sparsify_(
@@ -52,9 +50,7 @@ def sparsify_(
     calibration: Mapping[str, Tensor] | None = None,
 ) -> list[str]:
     """Replace linear layers by 2:4 semi-structured sparse layers."""
-    if not isinstance(config, SemiStructured24):
-        raise TypeError(f"sparsify_ takes SemiStructured24, got {config!r}")
-    return _apply(model, config, filter_fn, calibration)
+    return _apply(model, config, filter_fn, calibration, "sparsify_")
 
 
 def lowrank_(
@@ -66,19 +62,12 @@ def lowrank_(
 ) -> list[str]:
     """Replace linear layers by low-rank factorisations. Layers where the chosen rank
     would not save bytes are left dense (and not in the returned list)."""
-    if not isinstance(config, LowRank):
-        raise TypeError(f"lowrank_ takes LowRank, got {config!r}")
-    return _apply(model, config, filter_fn, calibration)
+    return _apply(model, config, filter_fn, calibration, "lowrank_")
 
 
 def supports(config: CompressionConfig, layer: nn.Linear) -> bool:
     """Whether ``config`` can compress a layer of this shape."""
-    k = layer.in_features
-    if isinstance(config, Int4WeightOnly):
-        return k % min(INT4_GROUP_SIZES) == 0  # smaller groups where group_size does not divide K
-    if isinstance(config, SemiStructured24):
-        return k % 8 == 0  # 2:4 groups, with two groups' positions per byte
-    return True
+    return method_of(config).supports(config, layer.in_features)
 
 
 def _apply(
@@ -86,7 +75,11 @@ def _apply(
     config: CompressionConfig,
     filter_fn: FilterFn | None,
     calibration: Mapping[str, Tensor] | None,
+    verb: Verb,
 ) -> list[str]:
+    if type(config) not in METHODS or METHODS[type(config)].verb != verb:
+        takes = [t.__name__ for t, m in METHODS.items() if m.verb == verb]
+        raise TypeError(f"{verb} takes {' or '.join(takes)}, got {config!r}")
     layers = linear_layers(model, filter_fn)
     if filter_fn is None:
         layers = {n: m for n, m in layers.items() if supports(config, m)}

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly, LowRank, SemiStructured24
-from kiln.compress.layer import compress_linear, effective_group_size
+from kiln.compress.layer import compress_linear
+from kiln.compress.methods import effective_group_size
 from kiln.compress.modules import Sparse24Linear
 from tests.helpers import assert_close_to_reference
 
