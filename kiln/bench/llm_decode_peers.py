@@ -197,7 +197,7 @@ class LlamaCpp:
 
 def read_bandwidth_gbs(mbytes: int = 256, repeats: int = 5) -> float:
     """Best read bandwidth (GB/s) over ``repeats`` sums of a float32 tensor of ``mbytes``
-    MB with ``THREADS`` threads (BENCHMARKS.md's measurement)."""
+    MB with ``THREADS`` threads (docs/benchmarks.md's measurement)."""
     import torch
 
     torch.set_num_threads(THREADS)

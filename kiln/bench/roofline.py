@@ -4,7 +4,7 @@ FLOPs come from ``torch.utils.flop_counter.FlopCounterMode`` (matmuls, convs,
 attention; pointwise work is not counted) plus a formula for the CPU LSTM
 layer kernel (``aten.mkldnn_rnn_layer``), which the counter does not know. Minimal bytes = parameters + buffers +
 inputs + outputs, each touched once. Peak numbers come from
-``kiln.core.calibrate.load_profile()`` when that exists, else from BENCHMARKS.md.
+``kiln.core.calibrate.load_profile()`` when that exists, else from docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kiln.bench.contenders import flatten_outputs
 
-# BENCHMARKS.md, "This CPU, measured": AVX-512 FMA ~255 GFLOP/s per core (510 for 2
+# docs/benchmarks.md, "This CPU, measured": AVX-512 FMA ~255 GFLOP/s per core (510 for 2
 # cores), AVX2 code half of that; ~68 GB/s read bandwidth with 2 threads.
 FALLBACK_GFLOPS_AVX512 = 510.0
 FALLBACK_GFLOPS_AVX2 = 255.0
@@ -35,7 +35,7 @@ class Peak:
 
 def device_peak(avx512: bool) -> Peak:
     """Peak from ``kiln.core.calibrate.load_profile()`` (fields ``peak_gflops`` and
-    ``mem_bw_gbs``) if importable and usable, else BENCHMARKS.md's figures for
+    ``mem_bw_gbs``) if importable and usable, else docs/benchmarks.md's figures for
     2 cores with this host's vector width."""
     try:
         from kiln.core.calibrate import load_profile
@@ -48,7 +48,7 @@ def device_peak(avx512: bool) -> Peak:
         why = f"{type(e).__name__}: {e}"[:200]
     gflops = FALLBACK_GFLOPS_AVX512 if avx512 else FALLBACK_GFLOPS_AVX2
     isa = "AVX-512" if avx512 else "AVX2 (half the AVX-512 peak)"
-    return Peak(gflops, FALLBACK_BW_GBS, f"BENCHMARKS.md figures, {isa}; no kiln profile ({why})")
+    return Peak(gflops, FALLBACK_BW_GBS, f"docs/benchmarks.md figures, {isa}; no kiln profile ({why})")
 
 
 def _rnn_layer_flops(*args: Any, out_shape: Any = None, **kwargs: Any) -> int:

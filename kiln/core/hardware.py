@@ -73,7 +73,7 @@ class HardwareProfile:
 
 
 def reference_cpu_profile(threads: int = 2) -> HardwareProfile:
-    """A fixed profile for tests and offline planning: the Zen 5 host in BENCHMARKS.md
+    """A fixed profile for tests and offline planning: the Zen 5 host in docs/benchmarks.md
     (AVX-512, 255 GFLOP/s per core, 68 GB/s, torch op ≈ 1 µs). Not this machine."""
     return HardwareProfile(
         name=f"reference-zen5-{threads}t",

@@ -1,4 +1,4 @@
-"""The GEMM shape-class benchmark runner (protocol: /work/shared/BENCHMARKS.md).
+"""The GEMM shape-class benchmark runner (protocol: docs/benchmarks.md).
 
 Requirement measured: per shape class (tiny, small, large), kiln's kernel within
 1.2x of the fastest library routine on this machine, fused epilogue included.
