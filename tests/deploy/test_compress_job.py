@@ -9,9 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kiln.cli import _fraction, app
+from kiln.cli import app
 from kiln.compress import load_compressed
 from kiln.compress.checkpoint import compressed_layers
+from kiln.deploy.parse import fraction
 from tests.quality.conftest import requires_corpus, requires_minilm
 
 
@@ -22,12 +23,12 @@ def test_help_explains_the_budget() -> None:
 
 
 def test_budget_parsing() -> None:
-    assert _fraction("1%") == pytest.approx(0.01)
-    assert _fraction("0.5%") == pytest.approx(0.005)
-    assert _fraction("0.05") == pytest.approx(0.05)
+    assert fraction("1%") == pytest.approx(0.01)
+    assert fraction("0.5%") == pytest.approx(0.005)
+    assert fraction("0.05") == pytest.approx(0.05)
     for bad in ("abc", "-1%", "0"):
         with pytest.raises(Exception, match="budget|fraction"):
-            _fraction(bad)
+            fraction(bad)
 
 
 @requires_corpus

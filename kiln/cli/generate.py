@@ -1,0 +1,138 @@
+"""kiln generate and kiln run: generate text with a language model checkpoint, timed.
+
+The two commands share their options (declared once below as annotated types) and their
+rendering; run is generate on tensor- and pipeline-parallel ranks, greedy and eager.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Annotated
+
+import typer
+
+from kiln.cli._console import console, refused
+
+if TYPE_CHECKING:
+    from kiln.deploy.generate_job import GenerateRequest
+
+Checkpoint = Annotated[str, typer.Argument(help="smollm2 | a .gguf file | a Hugging Face folder")]
+Prompt = Annotated[str, typer.Option(help="text to continue")]
+MaxNewTokens = Annotated[int, typer.Option("--max-new-tokens", "-n", help="tokens to generate")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy; > 0 samples")]
+TopK = Annotated[int | None, typer.Option(help="sample among the k likeliest tokens")]
+TopP = Annotated[float | None, typer.Option(help="sample within this much probability mass")]
+Seed = Annotated[int | None, typer.Option(help="seed for sampling")]
+Dtype = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
+Engine = Annotated[str, typer.Option(help="auto | fast (C++ decode step) | eager")]
+Unpacked = Annotated[bool, typer.Option(help="dequantize a GGUF's 4-bit layers to float")]
+Head = Annotated[str, typer.Option(help="auto (INT8 when layers are compressed) | fp32 | int8")]
+Tp = Annotated[int, typer.Option(help="tensor-parallel ranks")]
+Pp = Annotated[int, typer.Option(help="pipeline stages")]
+Split = Annotated[str, typer.Option(help="layers per pipeline stage, e.g. 16,14 (default: even)")]
+Microbatches = Annotated[int, typer.Option(help="pipeline micro-batches")]
+Offload = Annotated[
+    str | None, typer.Option(help="folder: stream block weights from disk through it")
+]
+Chat = Annotated[bool, typer.Option(help="wrap the prompt in the tokenizer's chat template")]
+Speculate = Annotated[
+    int,
+    typer.Option(
+        help="K > 0: an INT8 copy guesses K tokens a round, the model checks them in one step "
+        "(same greedy text, or the same distribution when sampling; float weights: --unpacked "
+        "for a GGUF)"
+    ),
+]
+Nnodes = Annotated[int, typer.Option(help="machines (> 1: print the torchrun line to run)")]
+RdzvEndpoint = Annotated[str, typer.Option(help="HOST:PORT every machine reaches")]
+
+
+def generate(
+    checkpoint: Checkpoint = "smollm2", prompt: Prompt = "Once upon a time",
+    max_new_tokens: MaxNewTokens = 64, temperature: Temperature = 0.0, top_k: TopK = None,
+    top_p: TopP = None, seed: Seed = None, dtype: Dtype = "float32", engine: Engine = "auto",
+    unpacked: Unpacked = False, head: Head = "auto", tp: Tp = 1, pp: Pp = 1, split: Split = "",
+    microbatches: Microbatches = 1, offload: Offload = None, chat: Chat = False,
+    speculate: Speculate = 0,
+) -> None:  # fmt: skip
+    """Generate text from CHECKPOINT and print it with its timing: load time, time to first
+    token, per-token latency, tokens/s and the share of memory bandwidth the weights took.
+
+    One process runs kiln's fast C++ decode step when it can (else the eager model, saying
+    why); --speculate K decodes with an INT8 draft whose guesses are checked K at a time;
+    --offload streams each block's weights from disk; --tp/--pp start ranks as kiln run
+    does. A GGUF's 4-bit layers stay packed unless --unpacked."""
+    from kiln.deploy import parse
+    from kiln.deploy.generate_job import GenerateRequest
+    from kiln.llm.generate import Sampling
+
+    with refused():
+        request = GenerateRequest(
+            checkpoint=checkpoint, prompt=prompt, max_new_tokens=max_new_tokens,
+            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            dtype=dtype, packed=not unpacked, head=head, engine=engine, tp=tp, pp=pp,
+            split=parse.layer_split(split), microbatches=microbatches, offload=offload,
+            chat=chat, speculate=speculate,
+        )  # fmt: skip
+    _show_generation(request)
+
+
+def run(
+    checkpoint: Checkpoint = "smollm2", prompt: Prompt = "Once upon a time",
+    max_new_tokens: MaxNewTokens = 64, dtype: Dtype = "float32", unpacked: Unpacked = False,
+    head: Head = "auto", tp: Tp = 2, pp: Pp = 1, split: Split = "",
+    microbatches: Microbatches = 1, chat: Chat = False, nnodes: Nnodes = 1,
+    rdzv_endpoint: RdzvEndpoint = "",
+) -> None:  # fmt: skip
+    """Greedy generation on tp x pp ranks through torch.distributed (gloo on CPU, NCCL on
+    GPUs): tensor-parallel shards inside pipeline stages. On one machine kiln starts the
+    ranks itself and stops the whole job, naming the rank, if one dies or hangs.
+
+    Several machines: with --nnodes N --rdzv-endpoint HOST:PORT this prints the torchrun
+    line to start on every machine; under torchrun kiln uses its ranks instead of starting
+    its own."""
+    if nnodes > 1:
+        from kiln.deploy.multinode import torchrun_line
+
+        with refused():
+            line = torchrun_line(
+                checkpoint=checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, tp=tp,
+                pp=pp, nnodes=nnodes, rdzv_endpoint=rdzv_endpoint,
+            )  # fmt: skip
+        console.print(" ".join(repr(a) if " " in a else a for a in line), markup=False)
+        return
+    from kiln.deploy import parse
+    from kiln.deploy.generate_job import GenerateRequest
+
+    with refused():
+        request = GenerateRequest(
+            checkpoint=checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
+            packed=not unpacked, head=head, engine="eager", tp=tp, pp=pp,
+            split=parse.layer_split(split), microbatches=microbatches, chat=chat,
+        )  # fmt: skip
+    _show_generation(request)
+
+
+def _show_generation(request: GenerateRequest) -> None:
+    """Run ``request`` under a status line and print the text, notes and timings."""
+    from kiln.deploy.bandwidth import weight_bandwidth
+    from kiln.deploy.generate_job import generate_text
+
+    try:
+        with console.status("loading") as status:
+            result = generate_text(request, progress=lambda text: status.update(text))
+    except ValueError as err:  # a checkpoint or request kiln cannot run: say what, no trace
+        console.print(f"[red]error:[/red] {err}", highlight=False)
+        raise typer.Exit(2) from None
+    gen = result.generation
+    console.print(f"[bold]{request.prompt}[/bold]{result.text}", highlight=False)
+    for note in result.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    bw = weight_bandwidth(result)
+    console.print(
+        f"[dim]{result.engine} · load {result.load_s:.1f} s · time to first token "
+        f"{gen.ttft_s * 1e3:.0f} ms · {gen.per_token_s * 1e3:.1f} ms/token · "
+        f"{gen.tokens_per_s:.1f} tokens/s · {gen.new_tokens} new tokens · weights "
+        f"{result.weight_bytes / 1e6:.0f} MB/token = {bw.weights_gbs:.1f} GB/s, "
+        f"{bw.share:.0%} of {bw.measured_gbs:.0f} GB/s measured[/dim]",
+        highlight=False,
+    )
