@@ -64,15 +64,9 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]
 
 def _kiln_digest() -> str:
     """Hash of kiln's own capture code and IR: a change to a lowering invalidates."""
-    here = Path(__file__).resolve().parent
+    compiler = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
-    for f in sorted(
-        [
-            *here.glob("*.py"),
-            here.parent / "fusion" / "ir.py",
-            here.parent / "runtime" / "reference.py",
-        ]
-    ):
+    for f in sorted([*(compiler / "capture").glob("*.py"), *(compiler / "ir").glob("*.py")]):
         h.update(f.read_bytes())
     return h.hexdigest()
 
