@@ -116,7 +116,7 @@ def run(other: Path, rounds: int, reps: int, out_dir: Path) -> dict[str, Any]:
     path = out_dir / f"ab-{system.device_slug(cpu)}-{time.strftime('%Y%m%d')}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
     path.with_suffix(".md").write_text(markdown(result))
-    result["path"] = system.portable_path(path)
+    result["path"] = str(path)
     return result
 
 

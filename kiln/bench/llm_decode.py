@@ -287,6 +287,8 @@ def run_decode(
     result["markdown_path"] = system.portable_path(path.with_suffix(".md"))
     path.write_text(json.dumps(result, indent=1, default=str))
     path.with_suffix(".md").write_text(render_markdown(result))
+    # the file records the portable paths; callers get the usable ones
+    result["path"], result["markdown_path"] = str(path), str(path.with_suffix(".md"))
     return result
 
 

@@ -48,7 +48,9 @@ def device_peak(avx512: bool) -> Peak:
         why = f"{type(e).__name__}: {e}"[:200]
     gflops = FALLBACK_GFLOPS_AVX512 if avx512 else FALLBACK_GFLOPS_AVX2
     isa = "AVX-512" if avx512 else "AVX2 (half the AVX-512 peak)"
-    return Peak(gflops, FALLBACK_BW_GBS, f"docs/benchmarks.md figures, {isa}; no kiln profile ({why})")
+    return Peak(
+        gflops, FALLBACK_BW_GBS, f"docs/benchmarks.md figures, {isa}; no kiln profile ({why})"
+    )
 
 
 def _rnn_layer_flops(*args: Any, out_shape: Any = None, **kwargs: Any) -> int:

@@ -305,4 +305,5 @@ def run_suite(
     path = out / f"{result['device']['slug']}-{now:%Y%m%d}.json"
     result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1, default=str))
+    result["path"] = str(path)  # the file records the portable path; callers get this one
     return result

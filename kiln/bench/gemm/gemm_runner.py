@@ -289,4 +289,5 @@ def run_gemm(
     path = out / f"gemm-{result['device']['slug']}-{now:%Y%m%d}.json"
     result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1, default=str))
+    result["path"] = str(path)  # the file records the portable path; callers get this one
     return result
