@@ -69,9 +69,11 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
                    key=lambda g: sum(g.step_s))  # fmt: skip
         row: dict[str, Any] = {"prompt": i, "plain_tokens_per_s": base.tokens_per_s, "spec": {}}
         for k, spec in specs.items():
-            spec.generate(prompt, n_new)
-            runs = [(spec.generate(prompt, n_new), spec.stats) for _ in range(repeats)]
-            gen, st = min(runs, key=lambda r: sum(r[0].step_s))
+            generate(spec, prompt, n_new)  # warm-up
+            gen = min((generate(spec, prompt, n_new) for _ in range(repeats)),
+                      key=lambda g: sum(g.step_s))  # fmt: skip
+            st = gen.speculation
+            assert st is not None
             row["spec"][str(k)] = {
                 "tokens_per_s": gen.tokens_per_s,
                 "speedup": gen.tokens_per_s / base.tokens_per_s,
@@ -106,6 +108,7 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
     result["path"] = system.portable_path(path)
     path.write_text(json.dumps(result, indent=1))
     path.with_suffix(".md").write_text(render_markdown(result))
+    result["path"] = str(path)  # the file records the portable path; callers get this one
     return result
 
 

@@ -3,7 +3,7 @@
 One request names the checkpoint, the prompt and how to run it; ``generate_text`` picks
 the path and reports what it did:
   - ``tp * pp > 1``: ranks started by ``kiln.parallel.launch`` (gloo on CPU, NCCL on GPUs),
-    tensor-parallel shards inside pipeline stages; greedy decoding;
+    tensor-parallel shards inside pipeline stages, greedy or sampled as in one process;
   - ``offload="disk"``: every block's weights streamed from a file one block ahead
     (``kiln.llm.offload``), run by the eager model;
   - ``speculate=k``: the fast step verifying k guesses a round of an INT8 copy of the model
@@ -37,7 +37,7 @@ HEADS = ("auto", "fp32", "int8")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class GenerateRequest:
     """What to generate and how to run it."""
 
@@ -68,8 +68,6 @@ class GenerateRequest:
             )
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
-        if self.parallel and not self.sampling.greedy:
-            raise ValueError("parallel generation is greedy: drop --temperature or --tp/--pp")
         if self.parallel and self.offload:
             raise ValueError("offloading runs in one process: drop --offload or --tp/--pp")
         if self.max_new_tokens < 1:
@@ -180,7 +178,7 @@ def generate_text(
     stops = loaded.config.eos_token_ids
     nbytes = weight_bytes_per_token(loaded.model)
     if request.parallel:
-        gen, engine = _generate_parallel(request, prompt, progress)
+        gen, engine = _generate_parallel(request, prompt, stops, progress)
     elif request.speculate:
         gen, engine = _generate_speculative(loaded.model, request, prompt, stops, progress)
         notes.append("tokens/s and GB/s count emitted tokens: a round reads the INT8 draft "
@@ -203,21 +201,18 @@ def generate_text(
 
 
 def _generate_parallel(
-    request: GenerateRequest, prompt: torch.Tensor, progress: Callable[[str], None]
-) -> tuple[Generation, str]:
+    request: GenerateRequest, prompt: torch.Tensor, stops: tuple[int, ...],
+    progress: Callable[[str], None],
+) -> tuple[Generation, str]:  # fmt: skip
     from kiln.parallel.mesh import run_parallel
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     progress(f"starting {request.tp * request.pp} ranks ({backend})")
-    out = run_parallel(
+    gen = run_parallel(
         partial(load_for_rank, request), prompt, request.max_new_tokens, request.tp,
         request.pp, request.split, request.microbatches, request.timeout_s, backend,
+        sampling=request.sampling, stop_ids=stops,
     )  # fmt: skip
-    if out.tokens is None:
-        raise RuntimeError("the last pipeline stage returned no tokens")
-    ends = out.step_end_s
-    steps = [b - a for a, b in zip(ends, ends[1:], strict=False)]
-    gen = Generation(out.tokens[:, prompt.shape[1] :], prompt.shape[1], ends[0], steps)
     return gen, f"tp={request.tp} x pp={request.pp} ranks ({backend}), eager stages"
 
 
@@ -238,8 +233,9 @@ def _generate_speculative(
     draft = FastDecoder(quantized_draft(model), 1, max_len)
     spec = SpeculativeDecoder(FastDecoder(model, 1, max_len, max_chunk=k + 1), draft, k)
     progress(f"generating: fast C++ step verifying {k} INT8 guesses a round")
-    gen = spec.generate(prompt, request.max_new_tokens, stops, sampling=request.sampling)
-    st = spec.stats
+    gen = generate(spec, prompt, request.max_new_tokens, request.sampling, stops)
+    st = gen.speculation
+    assert st is not None  # a MultiTokenDecoder's generation counts its rounds
     engine = (f"fast C++ decode step, speculative: {k} INT8-draft guesses a round, "
               f"{st.acceptance:.0%} accepted, {st.tokens_per_round:.2f} tokens a round")  # fmt: skip
     return gen, engine

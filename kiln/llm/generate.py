@@ -1,11 +1,15 @@
-"""Token generation: prefill once, then one decode step per new token, timed.
+"""Token generation: prefill once, then decode new tokens, timed; the one loop of kiln.
 
 A ``Decoder`` owns a KV cache and turns tokens into logits — ``EagerDecoder`` runs the
 ``Transformer`` module; ``kiln.llm.fast_decoder.FastDecoder`` runs the whole decode step in
-one C++ call; the parallel runtimes wrap their ranks behind the same two methods. The loop
-here is the same for all of them, so timings compare like with like:
+one C++ call; ``kiln.parallel.pp.PipelineDecoder`` runs one rank's pipeline stage (and
+tensor-parallel shard). A ``MultiTokenDecoder`` emits several tokens a call
+(``kiln.llm.speculative.SpeculativeDecoder``: a draft guesses, the target checks). The loop
+here is the same for all of them, so timings compare like with like and every path returns
+one ``Generation``:
   - time to first token = prefill + choosing the first token,
-  - per-token latency   = each later step (decode + choosing), their median and mean.
+  - per-token latency   = each later step (decode + choosing), their median and mean; a
+    call that emits n tokens gives each an n-th of its time.
 """
 
 from __future__ import annotations
@@ -14,22 +18,43 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
-from kiln.models.kv_cache import KVCache
 from kiln.models.transformer import Transformer
 
 
 class Decoder(Protocol):
-    """Prefill a prompt, then extend it one token at a time (positions are absolute)."""
+    """Prefill a prompt, then extend it one token at a time (positions are absolute).
 
-    def prefill(self, tokens: Tensor) -> Tensor:  # (B, T) -> logits (B, T, V)
+    ``prefill`` returns logits (B, T, V), or only the last position's (B, 1, V): the loop
+    reads ``[:, -1]``."""
+
+    def prefill(self, tokens: Tensor) -> Tensor:  # (B, T) -> logits (B, T | 1, V)
         ...
 
     def step(self, tokens: Tensor, pos: int) -> Tensor:  # (B,) at position pos -> (B, V)
+        ...
+
+
+@runtime_checkable
+class MultiTokenDecoder(Protocol):
+    """A decoder that chooses its own next tokens and may emit several a call.
+
+    ``advance`` feeds ``token`` (B,) at ``pos`` and returns 1 to ``limit`` next tokens (B, n)
+    chosen with ``sampler``, with the logits (B, n, V) of the model whose text it is at those
+    positions. ``stats`` describes the calls of the generation since the last ``prefill``."""
+
+    stats: SpeculativeStats
+
+    def prefill(self, tokens: Tensor) -> Tensor:  # (B, T) -> logits (B, T | 1, V)
+        ...
+
+    def advance(
+        self, token: Tensor, pos: int, limit: int, sampler: Sampler
+    ) -> tuple[Tensor, Tensor]:  # (B,) -> tokens (B, n), logits (B, n, V); 1 <= n <= limit
         ...
 
 
@@ -38,10 +63,6 @@ class EagerDecoder:
 
     def __init__(self, model: Transformer, batch: int, max_len: int) -> None:
         self.model, self.cache = model, model.new_cache(batch, max_len)
-
-    @property
-    def kv_cache(self) -> KVCache:
-        return self.cache
 
     @torch.inference_mode()
     def prefill(self, tokens: Tensor) -> Tensor:
@@ -74,6 +95,22 @@ class Sampling:
         return self.temperature == 0
 
 
+class Sampler:
+    """``Sampling`` with its random stream, one per generation: a CPU generator seeded by
+    ``sampling.seed`` (None: torch's global stream). The same seed and the same logits give
+    the same tokens in every process, which is how parallel ranks agree."""
+
+    def __init__(self, sampling: Sampling) -> None:
+        self.sampling = sampling
+        self.generator: torch.Generator | None = None
+        if sampling.seed is not None:
+            self.generator = torch.Generator().manual_seed(sampling.seed)
+
+    def choose(self, logits: Tensor) -> Tensor:
+        """Next tokens (B,) from logits (B, V)."""
+        return choose(logits, self.sampling, self.generator)
+
+
 def choose(logits: Tensor, sampling: Sampling, generator: torch.Generator | None) -> Tensor:
     """Next tokens (B,) from logits (B, V)."""
     if sampling.greedy:
@@ -97,13 +134,35 @@ def probabilities(logits: Tensor, sampling: Sampling) -> Tensor:
 
 
 @dataclass
+class SpeculativeStats:
+    """How a multi-token decoder's rounds went: guesses proposed and accepted."""
+
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Share of the draft's guesses the target agreed with."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        """Tokens emitted per target call (accepted guesses + the target's own token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+
+
+@dataclass
 class Generation:
-    """New tokens (B, N) and how long they took."""
+    """New tokens (B, N) and how long they took; with ``keep_logits``, the logits (B, N, V)
+    each was chosen from; for a ``MultiTokenDecoder``, how its rounds went."""
 
     tokens: Tensor
     prompt_len: int
     ttft_s: float
     step_s: list[float] = field(default_factory=list)
+    logits: Tensor | None = None
+    speculation: SpeculativeStats | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -121,41 +180,67 @@ class Generation:
 
 
 def generate(
-    decoder: Decoder,
+    decoder: Decoder | MultiTokenDecoder,
     prompt: Tensor,
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     stop_ids: tuple[int, ...] = (),
     on_token: Callable[[Tensor], None] | None = None,
+    keep_logits: bool = False,
 ) -> Generation:
     """Extend ``prompt`` (B, T) by up to ``max_new_tokens``; stop early once every sequence
-    has produced one of ``stop_ids`` (finished sequences then repeat their stop token)."""
+    has produced one of ``stop_ids`` (finished sequences then repeat their stop token).
+    ``on_token`` gets each new token (B,) as soon as it is known."""
     if prompt.ndim != 2 or prompt.shape[1] == 0:
         raise ValueError(
             f"prompt must be (batch, tokens) with tokens > 0, got {tuple(prompt.shape)}"
         )
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    generator = None
-    if sampling.seed is not None:
-        generator = torch.Generator().manual_seed(sampling.seed)
+    sampler = Sampler(sampling)
     stops = torch.tensor(stop_ids, dtype=torch.long)
     t0 = time.perf_counter()
-    token = choose(decoder.prefill(prompt)[:, -1], sampling, generator)  # (B,)
+    logits = decoder.prefill(prompt)[:, -1]  # (B, V)
+    token = sampler.choose(logits)  # (B,)
     ttft = time.perf_counter() - t0
     out, steps = [token], []
+    kept = [logits.clone()] if keep_logits else []  # a decoder may reuse its output buffer
     done = torch.isin(token, stops)
     if on_token is not None:
         on_token(token)
-    pos = prompt.shape[1]
+    pos = prompt.shape[1]  # `token` sits at pos, not yet fed
     while len(out) < max_new_tokens and not bool(done.all()):
         t = time.perf_counter()
-        nxt = choose(decoder.step(token, pos), sampling, generator)
-        steps.append(time.perf_counter() - t)
-        token = torch.where(done, token, nxt)
-        done |= torch.isin(token, stops)
-        out.append(token)
-        pos += 1
-        if on_token is not None:
-            on_token(token)
-    return Generation(torch.stack(out, dim=1), prompt.shape[1], ttft, steps)
+        new, new_logits = _advance(decoder, token, pos, max_new_tokens - len(out), sampler)
+        share = (time.perf_counter() - t) / new.shape[1]
+        for i in range(new.shape[1]):
+            token = torch.where(done, token, new[:, i])
+            done |= torch.isin(token, stops)
+            out.append(token)
+            if keep_logits:
+                kept.append(new_logits[:, i].clone())
+            steps.append(share)
+            pos += 1
+            if on_token is not None:
+                on_token(token)
+            if bool(done.all()):
+                break
+    stats = decoder.stats if isinstance(decoder, MultiTokenDecoder) else None
+    return Generation(
+        torch.stack(out, dim=1), prompt.shape[1], ttft, steps,
+        torch.stack(kept, dim=1) if keep_logits else None, stats,
+    )  # fmt: skip
+
+
+def _advance(
+    decoder: Decoder | MultiTokenDecoder, token: Tensor, pos: int, limit: int, sampler: Sampler
+) -> tuple[Tensor, Tensor]:
+    """The next 1 to ``limit`` tokens (B, n) after ``token`` at ``pos`` and their logits."""
+    if isinstance(decoder, MultiTokenDecoder):
+        new, logits = decoder.advance(token, pos, limit, sampler)
+        if not 1 <= new.shape[1] <= limit:
+            raise RuntimeError(f"{type(decoder).__name__} emitted {new.shape[1]} tokens, "
+                               f"not 1 to {limit}")  # fmt: skip
+        return new, logits
+    logits = decoder.step(token, pos)  # (B, V)
+    return sampler.choose(logits)[:, None], logits[:, None]

@@ -9,6 +9,10 @@ position is kept while it agrees with the draft; at the first disagreement the t
 token is taken instead, and the round ends. Every token emitted is the target's argmax given
 the tokens before it, so the text is the target's greedy text: the draft changes the speed,
 never the output (up to the target's own fp32 summation order across 1 vs k + 1 rows).
+``SpeculativeDecoder`` is a ``MultiTokenDecoder``: the one loop runs it and returns a
+``Generation`` whose ``speculation`` counts rounds, guesses and acceptances::
+
+    gen = generate(SpeculativeDecoder(target, draft, k=4), prompt, 64, sampling)
 
 Sampled decoding (temperature > 0, with top-k / top-p) uses speculative sampling
 (``accept_or_resample``, Leviathan et al. 2023; Chen et al. 2023): the draft samples its
@@ -31,9 +35,6 @@ position attends to them (attention reads slots up to its own position only).
 from __future__ import annotations
 
 import copy
-import time
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -41,11 +42,10 @@ from torch import Tensor
 from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly
 from kiln.compress.verbs import quantize_
 from kiln.llm.fast_decoder import FastDecoder, quantize_head_
-from kiln.llm.generate import Decoder, Generation, Sampling, choose, probabilities
+from kiln.llm.generate import Decoder, Sampler, SpeculativeStats, probabilities
 from kiln.models.transformer import Transformer
 
 DEFAULT_DRAFT = Int8WeightOnly()
-GREEDY = Sampling()
 
 
 def quantized_draft(
@@ -60,25 +60,6 @@ def quantized_draft(
     quantize_(draft, config, filter_fn=lambda mod, name: name.startswith("layers."))
     quantize_head_(draft, Int8WeightOnly())
     return draft
-
-
-@dataclass
-class SpeculativeStats:
-    """How a generation's rounds went: guesses proposed and accepted."""
-
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-
-    @property
-    def acceptance(self) -> float:
-        """Share of the draft's guesses the target agreed with."""
-        return self.accepted / self.drafted if self.drafted else float("nan")
-
-    @property
-    def tokens_per_round(self) -> float:
-        """Tokens emitted per target call (accepted guesses + the target's own token)."""
-        return (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
 
 
 def accept_or_resample(
@@ -100,7 +81,10 @@ def accept_or_resample(
 
 
 class SpeculativeDecoder:
-    """Decoding of ``target`` (batch 1) with ``draft`` guessing ``k`` tokens a round.
+    """Decoding of ``target`` (batch 1) with ``draft`` guessing ``k`` tokens a round: a
+    ``MultiTokenDecoder`` for ``kiln.llm.generate.generate``, which it extends by up to
+    k + 1 tokens a call. ``prefill`` fills both caches (the time to first token covers
+    both); ``stats`` counts the rounds since it.
 
     ``draft`` is any batch-1 ``Decoder`` (prefill / step) over the same vocabulary with a
     cache of at least the target's length; ``target.max_chunk`` must be >= k + 1.
@@ -120,65 +104,43 @@ class SpeculativeDecoder:
             )
         self.target, self.draft, self.k = target, draft, k
         self.stats = SpeculativeStats()
-        self._sampling = GREEDY  # these two: set by each generate
-        self._gen: torch.Generator | None = None
+        # The previous round's last guess (at pos - 1), accepted but not yet in the draft's
+        # cache: the next round feeds it first.
+        self._pending: Tensor | None = None
 
     @torch.no_grad()
-    def generate(
-        self,
-        prompt: Tensor,
-        max_new_tokens: int,
-        stop_ids: tuple[int, ...] = (),
-        on_token: Callable[[Tensor], None] | None = None,
-        sampling: Sampling = GREEDY,
-    ) -> Generation:
-        """Extend ``prompt`` (1, T) by up to ``max_new_tokens`` (stopping after a token of
-        ``stop_ids``), greedily or sampled as ``sampling`` says (its seed seeds the draws).
-        ``step_s`` gives each token of a round an equal share of the round's time, so
-        ``tokens_per_s`` is tokens / decode time; ``ttft_s`` covers both prefills."""
-        if prompt.ndim != 2 or prompt.shape[0] != 1 or prompt.shape[1] == 0:
-            raise ValueError(f"prompt must be (1, tokens), got {tuple(prompt.shape)}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if prompt.shape[1] + max_new_tokens - 1 > self.target.max_len:
+    def prefill(self, tokens: Tensor) -> Tensor:
+        """Both caches take ``tokens`` (1, T); returns the target's logits (1, T, V)."""
+        if tokens.ndim != 2 or tokens.shape[0] != 1 or tokens.shape[1] == 0:
+            raise ValueError(f"prompt must be (1, tokens), got {tuple(tokens.shape)}")
+        self.stats, self._pending = SpeculativeStats(), None
+        logits = self.target.prefill(tokens)
+        self.draft.prefill(tokens)  # counted in the time to first token: decoding needs it
+        return logits
+
+    @torch.no_grad()
+    def advance(
+        self, token: Tensor, pos: int, limit: int, sampler: Sampler
+    ) -> tuple[Tensor, Tensor]:
+        """One round after ``token`` (1,) at ``pos``: up to min(k + 1, ``limit``) tokens
+        (1, n), greedy or sampled as ``sampler`` says, and the target's logits (1, n, V)."""
+        if pos + limit > self.target.max_len:
             raise ValueError(
-                f"{prompt.shape[1]} prompt + {max_new_tokens} new tokens exceed the target's "
-                f"cache of {self.target.max_len} positions"
+                f"{pos} tokens + {limit} more exceed the target's cache of "
+                f"{self.target.max_len} positions"
             )
-        self.stats = SpeculativeStats()
-        self._sampling, self._gen = sampling, None
-        if sampling.seed is not None:
-            self._gen = torch.Generator().manual_seed(sampling.seed)
-        t0 = time.perf_counter()
-        token = choose(self.target.prefill(prompt)[:, -1], sampling, self._gen)  # (1,)
-        self.draft.prefill(prompt)  # counted in the time to first token: decoding needs it
-        ttft = time.perf_counter() - t0
-        out, steps = [int(token)], []
-        if on_token is not None:
-            on_token(token)
-        pos, pending = prompt.shape[1], None  # `token` sits at pos, in neither cache yet
-        while len(out) < max_new_tokens and out[-1] not in stop_ids:
-            t = time.perf_counter()
-            k = min(self.k, max_new_tokens - len(out) - 1)
-            guesses, q = self._guess(token, pos, k, pending)
-            new, pending = self._verify(token, guesses, q, pos)
-            new = _until_stop(new[: max_new_tokens - len(out)], stop_ids)
-            steps += [(time.perf_counter() - t) / len(new)] * len(new)
-            out += new
-            pos += len(new)
-            token = torch.tensor([out[-1]])
-            if on_token is not None:
-                for tok in new:
-                    on_token(torch.tensor([tok]))
-        return Generation(torch.tensor([out]), prompt.shape[1], ttft, steps)
+        k = min(self.k, limit - 1)
+        guesses, q = self._guess(token, pos, k, sampler)
+        new, logits = self._verify(token, guesses, q, pos, sampler)
+        return torch.tensor([new]), logits[None, : len(new)]
 
     def _guess(
-        self, token: Tensor, pos: int, k: int, pending: Tensor | None
+        self, token: Tensor, pos: int, k: int, sampler: Sampler
     ) -> tuple[list[int], Tensor | None]:
         """k draft tokens after ``token`` at ``pos``, and (sampling) the draft's distributions
-        q (k, V) they were drawn from. ``pending``: the previous round's last guess (at
-        pos - 1), accepted but never fed to the draft: a FastDecoder draft takes it and
-        ``token`` in one call (one weight pass, not two)."""
+        q (k, V) they were drawn from. A pending guess (at pos - 1) goes in first: a
+        FastDecoder draft takes it and ``token`` in one call (one weight pass, not two)."""
+        pending = self._pending
         if k == 0:  # the last token: the target alone
             return [], None
         guesses: list[int] = []
@@ -191,41 +153,34 @@ class SpeculativeDecoder:
                 if i == 0 and pending is not None:
                     self.draft.step(pending, pos - 1)
                 logits = self.draft.step(token, pos + i)  # (1, V)
-            if self._sampling.greedy:
+            if sampler.sampling.greedy:
                 token = logits.argmax(-1)  # (1,)
             else:
-                qs.append(probabilities(logits, self._sampling)[0])
-                token = torch.multinomial(qs[-1], 1, generator=self._gen)
+                qs.append(probabilities(logits, sampler.sampling)[0])
+                token = torch.multinomial(qs[-1], 1, generator=sampler.generator)
             guesses.append(int(token))
         return guesses, torch.stack(qs) if qs else None
 
     def _verify(
-        self, token: Tensor, guesses: list[int], q: Tensor | None, pos: int
-    ) -> tuple[list[int], Tensor | None]:
+        self, token: Tensor, guesses: list[int], q: Tensor | None, pos: int, sampler: Sampler
+    ) -> tuple[list[int], Tensor]:
         """The target scores [token, *guesses] at pos..: returns the emitted tokens (the
-        kept guesses, then one of the target's own) and the draft's pending token."""
+        kept guesses, then one of the target's own) and the target's logits (k + 1, V)."""
         chunk = torch.tensor([[int(token), *guesses]])  # (1, k + 1)
         logits = self.target.extend(chunk, pos)[0]  # (k + 1, V)
-        if self._sampling.greedy:
+        if sampler.sampling.greedy:
             best = logits.argmax(-1).tolist()  # (k + 1,)
             n = 0
             while n < len(guesses) and guesses[n] == best[n]:
                 n += 1
             new = [*guesses[:n], best[n]]
         else:
-            p = probabilities(logits, self._sampling)  # (k + 1, V)
+            p = probabilities(logits, sampler.sampling)  # (k + 1, V)
             q = q if q is not None else p[:0]  # no guesses (the last token): p alone
-            new, n = accept_or_resample(p, q, guesses, self._gen)
+            new, n = accept_or_resample(p, q, guesses, sampler.generator)
         self.stats.rounds += 1
         self.stats.drafted += len(guesses)
         self.stats.accepted += n
-        pending = torch.tensor([guesses[-1]]) if guesses and n == len(guesses) else None
-        return new, pending
-
-
-def _until_stop(tokens: list[int], stop_ids: tuple[int, ...]) -> list[int]:
-    """``tokens`` up to and including the first stop token."""
-    for i, tok in enumerate(tokens):
-        if tok in stop_ids:
-            return tokens[: i + 1]
-    return tokens
+        kept_all = guesses and n == len(guesses)
+        self._pending = torch.tensor([guesses[-1]]) if kept_all else None
+        return new, logits

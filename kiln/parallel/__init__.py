@@ -1,27 +1,27 @@
 """Parallel execution on torch.distributed (launching ranks, tensor and pipeline parallel); may import kiln.core, kernels, compress, quality, models and llm.
 
     from kiln.parallel import run_parallel
-    tokens = run_parallel(model_factory, prompt_ids, 32, tp=2, pp=2).tokens
+    tokens = run_parallel(model_factory, prompt_ids, 32, tp=2, pp=2, sampling=sampling).tokens
 
 ``launch`` starts and watches the ranks (``launch.py``; torchrun for several machines),
 ``tp.py`` shards a ``Transformer`` across a tensor-parallel group, ``pp.py`` splits it into
-pipeline stages and runs micro-batched greedy decoding, ``mesh.py`` puts them together.
+pipeline stages and runs them, micro-batched, as a ``Decoder`` of ``kiln.llm.generate``,
+``mesh.py`` puts them together.
 """
 
 from kiln.parallel.launch import RankFailed, launch, progress, torchrun_command
 from kiln.parallel.mesh import Mesh, rank_generate, run_parallel
-from kiln.parallel.pp import GenerationOutput, Stage, pipeline_generate, split_stages
+from kiln.parallel.pp import PipelineDecoder, Stage, split_stages
 from kiln.parallel.tp import Sliceable, partition_heads, shard_tensor_parallel, sliceable
 
 __all__ = [
-    "GenerationOutput",
     "Mesh",
+    "PipelineDecoder",
     "RankFailed",
     "Sliceable",
     "Stage",
     "launch",
     "partition_heads",
-    "pipeline_generate",
     "progress",
     "rank_generate",
     "run_parallel",

@@ -1,12 +1,15 @@
-"""Greedy generation over tp x pp ranks: the rank layout, one rank's part, the whole job.
+"""Generation over tp x pp ranks: the rank layout, one rank's part, the whole job.
 
 Layout: ``world = tp * pp``; global rank r is tensor-parallel rank ``r % tp`` of pipeline
 stage ``r // tp``, so a stage's tensor-parallel group is consecutive ranks (one machine
 under torchrun) and pipeline j is ranks j, j + tp, j + 2 tp, ... Each rank builds the full
 model with ``model_factory`` (e.g. a loader call), trims it to its stage, shards the stage
-across its tensor-parallel group, and runs ``pipeline_generate``::
+across its tensor-parallel group, and runs the one generation loop
+(``kiln.llm.generate.generate``) over a ``PipelineDecoder``, greedy or sampled::
 
-    tokens = run_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2).tokens
+    gen = run_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2,
+                       sampling=Sampling(temperature=0.8, seed=0))
+    gen.tokens  # (B, 32) new tokens, as one process with the same seed samples them
 """
 
 from __future__ import annotations
@@ -18,19 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kiln.llm.generate import Generation, Sampling, generate
 from kiln.models.transformer import Transformer
 from kiln.parallel.launch import launch, progress
-from kiln.parallel.pp import (
-    GenerationOutput,
-    PipeRanks,
-    Stage,
-    even_split,
-    pipeline_generate,
-    split_stages,
-)
+from kiln.parallel.pp import PipelineDecoder, PipeRanks, Stage, even_split, split_stages
 from kiln.parallel.tp import shard_tensor_parallel
 
 ModelFactory = Callable[[], Transformer]
+GREEDY = Sampling()
 
 
 @dataclass(frozen=True)
@@ -56,13 +54,13 @@ class Mesh:
         return stage * self.tp + tp_rank
 
     def pipe_ranks(self) -> PipeRanks:
-        """The ranks of this rank's pipeline it sends to and receives from."""
+        """The ranks of this rank's pipeline it receives from and sends to, and the rank
+        whose logits all ranks take (tensor-parallel rank 0 of the last stage)."""
         s, j = self.stage, self.tp_rank
         return PipeRanks(
             prev=self.global_rank(s - 1, j) if s > 0 else None,
             next=self.global_rank(s + 1, j) if s < self.pp - 1 else None,
-            first=self.global_rank(0, j),
-            last=self.global_rank(self.pp - 1, j),
+            source=self.global_rank(self.pp - 1, 0),
         )
 
     @classmethod
@@ -94,10 +92,14 @@ def rank_generate(
     split: Sequence[int] | None = None,
     microbatches: int = 1,
     device: torch.device | None = None,
-) -> GenerationOutput:
-    """This rank's part of greedy generation: keep its stage and shard of ``model`` (the
-    full model, consumed), move them to ``device`` (None: where the model is), decode.
-    ``split``: layers per stage (default: even)."""
+    sampling: Sampling = GREEDY,
+    stop_ids: tuple[int, ...] = (),
+    keep_logits: bool = False,
+) -> Generation:
+    """This rank's part of generation: keep its stage and shard of ``model`` (the full
+    model, consumed), move them to ``device`` (None: where the model is), decode as
+    ``sampling`` says. Every rank returns the same tokens. ``split``: layers per stage
+    (default: even)."""
     n = model.cfg.n_layers
     ranges = split_stages(n, split if split is not None else even_split(n, mesh.pp))
     if len(ranges) != mesh.pp:
@@ -110,7 +112,9 @@ def rank_generate(
         if device is not None:
             stage.to(device)  # only this rank's shard travels
         progress()
-        return pipeline_generate(stage, prompt, max_new_tokens, mesh.pipe_ranks(), microbatches)
+    batch, max_len = prompt.shape[0], prompt.shape[1] + max_new_tokens
+    decoder = PipelineDecoder(stage, mesh.pipe_ranks(), batch, max_len, microbatches)
+    return generate(decoder, prompt, max_new_tokens, sampling, stop_ids, keep_logits=keep_logits)
 
 
 def as_batch(prompt_ids: Tensor | Sequence[int]) -> Tensor:
@@ -125,15 +129,19 @@ def as_batch(prompt_ids: Tensor | Sequence[int]) -> Tensor:
 
 def _rank_main(
     rank: int, world: int, model_factory: ModelFactory, prompt: Tensor, max_new_tokens: int,
-    tp: int, pp: int, split: Sequence[int] | None, microbatches: int,
-) -> GenerationOutput:  # fmt: skip
+    tp: int, pp: int, split: Sequence[int] | None, microbatches: int, sampling: Sampling,
+    stop_ids: tuple[int, ...], keep_logits: bool,
+) -> Generation:  # fmt: skip
     mesh = Mesh.create(tp, pp)
     model = model_factory()
     progress()
     # NCCL moves CUDA tensors only: each rank runs on the GPU launch() bound it to.
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-    return rank_generate(model, prompt, max_new_tokens, mesh, split, microbatches, device)
+    return rank_generate(
+        model, prompt, max_new_tokens, mesh, split, microbatches, device, sampling, stop_ids,
+        keep_logits,
+    )  # fmt: skip
 
 
 def run_parallel(
@@ -146,15 +154,17 @@ def run_parallel(
     microbatches: int = 1,
     timeout_s: float = 60.0,
     backend: str = "gloo",
-) -> GenerationOutput:
-    """Greedy decoding on ``tp * pp`` ranks started by ``launch`` (``backend="nccl"``: one
-    GPU per rank); the tokens (B, T + new), prompt included, and the new tokens' logits
-    (B, new, V) as the last stage's first rank saw them.
+    sampling: Sampling = GREEDY,
+    stop_ids: tuple[int, ...] = (),
+    keep_logits: bool = False,
+) -> Generation:
+    """Generation on ``tp * pp`` ranks started by ``launch`` (``backend="nccl"``: one GPU
+    per rank), greedy or sampled as ``sampling`` says: the ``Generation`` of the last
+    stage's first rank (every rank has the same tokens; timings are that rank's).
     ``timeout_s``: longest stretch without progress (loading, or one decode step)."""
     prompt = as_batch(prompt_ids)
-    args = (model_factory, prompt, max_new_tokens, tp, pp, split, microbatches)
+    args = (model_factory, prompt, max_new_tokens, tp, pp, split, microbatches, sampling,
+            tuple(stop_ids), keep_logits)  # fmt: skip
     results = launch(_rank_main, tp * pp, args, timeout_s=timeout_s, backend=backend)
-    out: GenerationOutput = results[(pp - 1) * tp]
-    if out.tokens is None:
-        raise RuntimeError("the last pipeline stage returned no tokens")
+    out: Generation = results[(pp - 1) * tp]
     return out

@@ -4,13 +4,14 @@ A ``Stage`` is the ``Transformer`` trimmed to its layers: the first stage also e
 tokens, the last also runs the final norm and the head; tensors a stage never uses are
 released. Its KV cache holds only its layers (the cache is keyed by global layer index).
 
-``pipeline_generate`` runs greedy decoding on one rank of a pipeline. A batch of B
-sequences is cut into m micro-batches, each with its own slice of the cache; every stage
-takes micro-batch i from the previous stage (``recv``), runs its layers and passes the
-activations (B_i, T, C) on (``isend``, so it moves on to micro-batch i + 1 at once). The
-last stage picks each micro-batch's token and sends it back to the first stage, which
-starts that micro-batch's next step while later micro-batches are still in flight: with
-m >= stages, every stage has work at every moment of the steady state.
+``PipelineDecoder`` is one rank's stage behind the ``Decoder`` protocol, so the one loop
+(``kiln.llm.generate.generate``) runs pipeline-parallel decoding with every ``Sampling``
+option. A batch of B sequences is cut into m micro-batches, each with its own slice of the
+cache; within a step every stage takes micro-batch i from the previous stage (``recv``),
+runs its layers and passes the activations (B_i, T, C) on (``isend``, so it moves on to
+micro-batch i + 1 at once). The last stage's logits (B, V) are broadcast to every rank,
+which all choose the same tokens (same values, same seeded stream): the loop's choice
+happens between steps, so each step starts with a bubble of (stages - 1) micro-batches.
 
 Ranks are global ranks of the default group; with tensor parallelism each tensor-parallel
 rank j of a stage talks to rank j of the next stage (activations are replicated across a
@@ -19,9 +20,8 @@ tensor-parallel group after its all-reduce), see ``kiln.parallel.mesh``.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -120,23 +120,12 @@ def cache_slice(cache: KVCache, b0: int, b1: int) -> KVCache:
 
 @dataclass(frozen=True)
 class PipeRanks:
-    """Global ranks this stage talks to: ``prev``/``next`` stage (None at the ends) and
-    the pipeline's ``first``/``last`` stage (the token goes from last to first)."""
+    """Global ranks this stage talks to: ``prev``/``next`` stage (None at the ends), and
+    ``source``, the one rank of the last stage whose logits every rank of the job takes."""
 
     prev: int | None
     next: int | None
-    first: int
-    last: int
-
-
-@dataclass
-class GenerationOutput:
-    """Greedy decoding's result: tokens (B, T + new) and each new token's logits
-    (B, new, V), as far as this rank knows them (``None`` where it does not)."""
-
-    tokens: Tensor | None
-    logits: Tensor | None
-    step_end_s: list[float] = field(default_factory=list)  # last stage: when each token was known
+    source: int
 
 
 def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
@@ -150,71 +139,66 @@ def microbatch_bounds(batch: int, microbatches: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def pipeline_generate(
-    stage: Stage, prompt: Tensor, max_new_tokens: int, ranks: PipeRanks, microbatches: int = 1
-) -> GenerationOutput:
-    """Greedy decoding of ``prompt`` (B, T) int64 for ``max_new_tokens`` tokens on this
-    rank's stage. The first stage returns the tokens, the last the tokens and logits."""
-    b, t0 = prompt.shape
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    dtype, device = stage.placement()
-    prompt = prompt.to(device)
-    cache = stage.new_cache(b, t0 + max_new_tokens)
-    mbs = microbatch_bounds(b, microbatches)
-    caches = [cache_slice(cache, b0, b1) for b0, b1 in mbs]
-    new_tokens = torch.zeros(b, max_new_tokens, dtype=torch.long, device=device)
-    vocab = stage.model.cfg.vocab_size
-    logits = torch.zeros(b, max_new_tokens, vocab, device=device) if stage.last else None
-    pending: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
-    ends: list[float] = []
-    t_start = time.perf_counter()
-    for step in range(max_new_tokens):
-        start, length = (0, t0) if step == 0 else (t0 + step - 1, 1)
-        sent: list[tuple[dist.Work, Tensor]] = []
-        for i, (b0, b1) in enumerate(mbs):
-            if stage.first and step == 0:
-                inp = prompt[b0:b1]  # (B_i, T0)
-            elif stage.first and stage.last:
-                inp = new_tokens[b0:b1, step - 1 : step]  # (B_i, 1)
-            elif stage.first:
-                inp = torch.empty(b1 - b0, 1, dtype=torch.long, device=device)
-                dist.recv(inp, src=ranks.last)
-                new_tokens[b0:b1, step - 1] = inp[:, 0]
+class PipelineDecoder:
+    """This rank's stage of a pipeline as a ``Decoder`` (``kiln.llm.generate``).
+
+    Every rank of the job runs ``generate`` over its own ``PipelineDecoder`` with the same
+    prompt and ``Sampling``. A call runs the stage on each micro-batch in turn; the last
+    stage gathers the logits of the last position (B, V) and ``source`` broadcasts them to
+    all ranks, so every rank returns the same logits (fp32, on the CPU), chooses the same
+    tokens (the same seeded stream on the same values) and the first stage embeds them at
+    the next step. ``prefill`` returns the last position only (B, 1, V).
+    """
+
+    def __init__(
+        self, stage: Stage, ranks: PipeRanks, batch: int, max_len: int, microbatches: int = 1
+    ) -> None:
+        self.stage, self.ranks = stage, ranks
+        self.dtype, self.device = stage.placement()
+        self.bounds = microbatch_bounds(batch, microbatches)
+        cache = stage.new_cache(batch, max_len)
+        self.caches = [cache_slice(cache, b0, b1) for b0, b1 in self.bounds]
+        self.batch = batch
+
+    def prefill(self, tokens: Tensor) -> Tensor:
+        return self._run(tokens, 0)[:, None]  # (B, 1, V)
+
+    def step(self, tokens: Tensor, pos: int) -> Tensor:
+        return self._run(tokens[:, None], pos)
+
+    @torch.no_grad()
+    def _run(self, tokens: Tensor, start: int) -> Tensor:
+        """Tokens (B, T) at positions start.. through the pipeline: the logits (B, V) of
+        the last position. The first stage reads ``tokens``; the others receive activations
+        (B_i, T, C) per micro-batch and pass theirs on without waiting (``isend``), so stage
+        s runs micro-batch i while stage s + 1 runs micro-batch i - 1."""
+        stage, ranks = self.stage, self.ranks
+        b, t = tokens.shape
+        if b != self.batch:
+            raise ValueError(f"this decoder runs {self.batch} sequences, got {b}")
+        vocab = stage.model.cfg.vocab_size
+        logits = torch.zeros(b, vocab, dtype=torch.float32, device=self.device)
+        sent: list[tuple[dist.Work, Tensor]] = []  # sends in flight, with their buffers
+        for (b0, b1), cache in zip(self.bounds, self.caches, strict=True):
+            if stage.first:
+                inp = tokens[b0:b1].to(self.device)  # (B_i, T)
             else:
                 c = stage.model.cfg.hidden_size
-                inp = torch.empty(b1 - b0, length, c, dtype=dtype, device=device)
+                inp = torch.empty(b1 - b0, t, c, dtype=self.dtype, device=self.device)
                 dist.recv(inp, src=ranks.prev)  # (B_i, T, C)
-            out = stage(inp, start, caches[i])
+            out = stage(inp, start, cache)
             if stage.last:
-                assert logits is not None
-                last_logits = out[:, -1]  # (B_i, V)
-                logits[b0:b1, step] = last_logits
-                token = last_logits.argmax(-1)  # (B_i,)
-                new_tokens[b0:b1, step] = token
-                if not stage.first:
-                    msg = token[:, None].contiguous()  # (B_i, 1)
-                    sent.append((_isend(msg, ranks.first), msg))
+                logits[b0:b1] = out[:, -1]
             else:
                 assert ranks.next is not None
                 msg = out.contiguous()  # (B_i, T, C)
                 sent.append((_isend(msg, ranks.next), msg))
-        for work, _ in pending:
-            work.wait()  # the previous step's sends: long received by now
-        pending = sent
-        ends.append(time.perf_counter() - t_start)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast(logits, src=ranks.source)
+        for work, _ in sent:
+            work.wait()  # received before the last stage could broadcast
         progress()
-    if stage.first and not stage.last:  # the last step's tokens come back too
-        for b0, b1 in mbs:
-            inp = torch.empty(b1 - b0, 1, dtype=torch.long, device=device)
-            dist.recv(inp, src=ranks.last)
-            new_tokens[b0:b1, max_new_tokens - 1] = inp[:, 0]
-    for work, _ in pending:
-        work.wait()
-    if not (stage.first or stage.last):
-        return GenerationOutput(None, None)
-    times = ends if stage.last else []
-    return GenerationOutput(torch.cat((prompt, new_tokens), dim=1), logits, times)
+        return logits.cpu()
 
 
 def _isend(tensor: Tensor, dst: int) -> dist.Work:

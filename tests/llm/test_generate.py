@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kiln.llm.generate import EagerDecoder, Sampling, choose, generate
+from kiln.llm.generate import (
+    EagerDecoder,
+    MultiTokenDecoder,
+    Sampler,
+    Sampling,
+    SpeculativeStats,
+    choose,
+    generate,
+)
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
 from tests.helpers import assert_close_to_reference
@@ -90,3 +98,44 @@ def test_cache_overflow_is_refused() -> None:
     decoder = EagerDecoder(model, 1, 4)
     with pytest.raises(ValueError, match="do not fit the cache"):
         decoder.prefill(torch.zeros(1, 5, dtype=torch.long))
+
+
+class Chunky:
+    """A ``MultiTokenDecoder`` that emits up to 3 greedy tokens a call by stepping the eager
+    model itself: the loop must give the one-token-a-step text."""
+
+    def __init__(self, model: Transformer, max_len: int) -> None:
+        self.inner, self.stats = EagerDecoder(model, 1, max_len), SpeculativeStats()
+
+    def prefill(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.stats = SpeculativeStats()
+        return self.inner.prefill(tokens)
+
+    def advance(
+        self, token: torch.Tensor, pos: int, limit: int, sampler: Sampler
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens, logits = [], []
+        for i in range(min(3, limit)):
+            logits.append(self.inner.step(token, pos + i))
+            token = sampler.choose(logits[-1])
+            tokens.append(token)
+        self.stats.rounds += 1
+        return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+def test_multi_token_decoders_run_in_the_same_loop() -> None:
+    model, prompt = tiny_model(4), torch.randint(0, 97, (1, 5))
+    plain = generate(EagerDecoder(model, 1, 32), prompt, 10, keep_logits=True)
+    chunky = Chunky(model, 32)
+    assert isinstance(chunky, MultiTokenDecoder)
+    gen = generate(chunky, prompt, 10, keep_logits=True)
+    assert torch.equal(gen.tokens, plain.tokens) and len(gen.step_s) == 9
+    assert gen.logits is not None and plain.logits is not None
+    assert_close_to_reference(gen.logits, plain.logits, 1e-5)
+    assert gen.speculation is not None and gen.speculation.rounds == 3  # 9 tokens, 3 a call
+    assert plain.speculation is None
+    stop = int(plain.tokens[0, 5])  # mid-call: the rest of that call is dropped
+    first = int((plain.tokens[0] == stop).nonzero()[0])
+    seen: list[int] = []
+    stopped = generate(chunky, prompt, 10, stop_ids=(stop,), on_token=lambda t: seen.append(int(t)))
+    assert stopped.tokens[0].tolist() == seen == plain.tokens[0, : first + 1].tolist()

@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from kiln.llm.fast_decoder import FastDecoder
-from kiln.llm.generate import EagerDecoder, Sampling, generate
+from kiln.llm.generate import EagerDecoder, Sampling, SpeculativeStats, generate
 from kiln.llm.speculative import SpeculativeDecoder, accept_or_resample, quantized_draft
 from kiln.models.transformer import Transformer
+from tests.helpers import assert_close_to_reference
 from tests.llm.test_decode import CONFIGS, make_model
 
 N_NEW = 20
@@ -42,12 +43,14 @@ def plain_greedy(model: Transformer, prompt: torch.Tensor, n: int, stops: tuple[
 
 
 def speculate(model: Transformer, draft: Transformer, k: int, n: int = N_NEW,
-              stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, SpeculativeDecoder]:  # fmt: skip
+              stops: tuple[int, ...] = ()) -> tuple[torch.Tensor, SpeculativeStats]:  # fmt: skip
     max_len = PROMPT_LEN + n
     spec = SpeculativeDecoder(
         FastDecoder(model, 1, max_len, max_chunk=k + 1), FastDecoder(draft, 1, max_len), k
     )
-    return spec.generate(prompt_of(model), n, stop_ids=stops).tokens, spec
+    gen = generate(spec, prompt_of(model), n, stop_ids=stops)
+    assert gen.speculation is not None
+    return gen.tokens, gen.speculation
 
 
 @pytest.mark.parametrize(
@@ -56,11 +59,10 @@ def speculate(model: Transformer, draft: Transformer, k: int, n: int = N_NEW,
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_int8_draft_gives_the_targets_greedy_text(name: str, k: int) -> None:
     model = make_model(TARGETS[name])
-    got, spec = speculate(model, quantized_draft(model), k)
+    got, st = speculate(model, quantized_draft(model), k)
     ref = plain_greedy(model, prompt_of(model), N_NEW)
     assert len(set(ref[0].tolist())) > N_NEW // 2  # a varied text, not one token repeated
     assert torch.equal(got, ref)
-    st = spec.stats
     assert st.accepted + st.rounds == N_NEW - 1  # every token after the first, once
     assert st.drafted <= k * st.rounds
 
@@ -75,10 +77,10 @@ def test_matches_the_eager_model() -> None:
 def test_a_perfect_draft_is_always_accepted() -> None:
     model = make_model(LLAMA)
     k = 4
-    got, spec = speculate(model, model, k)
+    got, st = speculate(model, model, k)
     assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
-    assert spec.stats.acceptance == 1.0
-    assert spec.stats.rounds == -(-(N_NEW - 1) // (k + 1))  # k + 1 tokens a round
+    assert st.acceptance == 1.0
+    assert st.rounds == -(-(N_NEW - 1) // (k + 1))  # k + 1 tokens a round
 
 
 def test_any_decoder_can_draft() -> None:
@@ -88,16 +90,16 @@ def test_any_decoder_can_draft() -> None:
     spec = SpeculativeDecoder(
         FastDecoder(model, 1, max_len, max_chunk=4), EagerDecoder(model, 1, max_len), 3
     )
-    got = spec.generate(prompt_of(model), N_NEW).tokens
-    assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
-    assert spec.stats.acceptance == 1.0
+    gen = generate(spec, prompt_of(model), N_NEW)
+    assert torch.equal(gen.tokens, plain_greedy(model, prompt_of(model), N_NEW))
+    assert gen.speculation is not None and gen.speculation.acceptance == 1.0
 
 
 def test_a_wrong_draft_changes_nothing_but_speed() -> None:
     model, other = make_model(LLAMA), make_model(LLAMA, seed=7)
-    got, spec = speculate(model, other, 3)
+    got, st = speculate(model, other, 3)
     assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
-    assert spec.stats.acceptance < 0.5
+    assert st.acceptance < 0.5
 
 
 @pytest.mark.parametrize("n", [1, 2, 7])
@@ -127,9 +129,9 @@ def test_bad_setups_raise() -> None:
         SpeculativeDecoder(one, one, 0)
     spec = SpeculativeDecoder(one, FastDecoder(model, 1, 16), 3)
     with pytest.raises(ValueError, match="exceed the target's cache"):
-        spec.generate(torch.zeros(1, 10, dtype=torch.long), 8)
+        generate(spec, torch.zeros(1, 10, dtype=torch.long), 8)
     with pytest.raises(ValueError, match=r"\(1, tokens\)"):
-        spec.generate(torch.zeros(2, 3, dtype=torch.long), 4)
+        generate(spec, torch.zeros(2, 3, dtype=torch.long), 4)
 
 
 def total_variation(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -173,9 +175,9 @@ def test_sampled_text_follows_the_target_distribution() -> None:
     counts = torch.zeros(12)
     n = 3000
     for seed in range(n):  # 3 new tokens: the first round (k = 1) emits the second
-        out = spec.generate(prompt, 3, sampling=replace(sampling, seed=seed)).tokens
-        counts[out[0, 1]] += 1
-    assert spec.stats.drafted == 1
+        gen = generate(spec, prompt, 3, replace(sampling, seed=seed))
+        counts[gen.tokens[0, 1]] += 1
+    assert gen.speculation is not None and gen.speculation.drafted == 1
     assert total_variation(counts / n, exact) < 0.05
 
 
@@ -186,7 +188,28 @@ def test_sampling_is_seeded_and_a_perfect_draft_is_kept() -> None:
         FastDecoder(model, 1, PROMPT_LEN + N_NEW), 4,
     )  # fmt: skip
     sampling = Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=11)
-    a = spec.generate(prompt_of(model), N_NEW, sampling=sampling).tokens
-    assert spec.stats.acceptance > 0.9  # p and q equal up to summation order
-    b = spec.generate(prompt_of(model), N_NEW, sampling=sampling).tokens
-    assert torch.equal(a, b) and a.shape == (1, N_NEW)
+    a = generate(spec, prompt_of(model), N_NEW, sampling)
+    assert a.speculation is not None and a.speculation.acceptance > 0.9  # p == q up to rounding
+    b = generate(spec, prompt_of(model), N_NEW, sampling)
+    assert torch.equal(a.tokens, b.tokens) and a.tokens.shape == (1, N_NEW)
+
+
+def test_the_generation_keeps_the_targets_logits() -> None:
+    """Each emitted token's logits are the target's at its position (checked k + 1 rows at a
+    time, so equal to one-row steps up to fp32 summation order)."""
+    model = make_model(LLAMA)
+    max_len = PROMPT_LEN + N_NEW
+    spec = SpeculativeDecoder(
+        FastDecoder(model, 1, max_len, max_chunk=4),
+        FastDecoder(quantized_draft(model), 1, max_len),
+        3,
+    )
+    gen = generate(spec, prompt_of(model), N_NEW, keep_logits=True)
+    ref = generate(FastDecoder(model, 1, max_len), prompt_of(model), N_NEW, keep_logits=True)
+    assert torch.equal(gen.tokens, ref.tokens) and gen.logits is not None
+    assert ref.logits is not None and gen.logits.shape == ref.logits.shape == (
+        1,
+        N_NEW,
+        LLAMA.vocab_size,
+    )
+    assert_close_to_reference(gen.logits, ref.logits, 1e-4)

@@ -12,8 +12,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from kiln.llm.generate import Generation, Sampling
 from kiln.parallel import Mesh, progress, rank_generate
-from kiln.parallel.pp import GenerationOutput
 from tests.parallel.models import factory
 
 
@@ -74,9 +74,10 @@ class Scenario:
     microbatches: int
     prompt: torch.Tensor
     new: int
+    sampling: Sampling = Sampling()
 
 
-def run_scenarios(rank: int, world: int, scenarios: list[Scenario]) -> dict[str, GenerationOutput]:
+def run_scenarios(rank: int, world: int, scenarios: list[Scenario]) -> dict[str, Generation]:
     """Several generations on the same ranks (start-up paid once)."""
     from tests.parallel import models
 
@@ -84,5 +85,8 @@ def run_scenarios(rank: int, world: int, scenarios: list[Scenario]) -> dict[str,
     for sc in scenarios:
         mesh = Mesh.create(sc.tp, sc.pp)
         model = factory(getattr(models, sc.cfg_name), 0, sc.compression)()  # type: ignore[arg-type]
-        out[sc.name] = rank_generate(model, sc.prompt, sc.new, mesh, sc.split, sc.microbatches)
+        out[sc.name] = rank_generate(
+            model, sc.prompt, sc.new, mesh, sc.split, sc.microbatches, sampling=sc.sampling,
+            keep_logits=True,
+        )  # fmt: skip
     return out

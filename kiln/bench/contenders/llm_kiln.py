@@ -146,10 +146,13 @@ class KilnDecode:
     def _speculate(self, prompt: Sequence[int], n_new: int) -> Generation:
         """One greedy generation by ``SpeculativeDecoder``: TTFT = both prefills, decode =
         the rounds after the first token."""
+        from kiln.llm.generate import generate
+
         t0 = time.perf_counter()
-        gen = self.spec.generate(torch.tensor([list(prompt)]), n_new)
+        gen = generate(self.spec, torch.tensor([list(prompt)]), n_new)
         total = time.perf_counter() - t0
-        st = self.spec.stats
+        st = gen.speculation
+        assert st is not None
         extra = {"acceptance": st.acceptance, "tokens_per_round": st.tokens_per_round,
                  "guesses_per_round": self.spec.k, "draft": "INT8 per channel (head too)"}  # fmt: skip
         return Generation(gen.ttft_s, sum(gen.step_s), total, gen.tokens.tolist(), extra)
