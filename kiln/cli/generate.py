@@ -1,7 +1,7 @@
 """kiln generate and kiln run: generate text with a language model checkpoint, timed.
 
 The two commands share their options (declared once below as annotated types) and their
-rendering; run is generate on tensor- and pipeline-parallel ranks, greedy and eager.
+rendering; run is generate on tensor- and pipeline-parallel ranks (eager stages).
 """
 
 from __future__ import annotations
@@ -78,13 +78,15 @@ def generate(
 
 def run(
     checkpoint: Checkpoint = "smollm2", prompt: Prompt = "Once upon a time",
-    max_new_tokens: MaxNewTokens = 64, dtype: Dtype = "float32", unpacked: Unpacked = False,
+    max_new_tokens: MaxNewTokens = 64, temperature: Temperature = 0.0, top_k: TopK = None,
+    top_p: TopP = None, seed: Seed = None, dtype: Dtype = "float32", unpacked: Unpacked = False,
     head: Head = "auto", tp: Tp = 2, pp: Pp = 1, split: Split = "",
     microbatches: Microbatches = 1, chat: Chat = False, nnodes: Nnodes = 1,
     rdzv_endpoint: RdzvEndpoint = "",
 ) -> None:  # fmt: skip
-    """Greedy generation on tp x pp ranks through torch.distributed (gloo on CPU, NCCL on
-    GPUs): tensor-parallel shards inside pipeline stages. On one machine kiln starts the
+    """Generation on tp x pp ranks through torch.distributed (gloo on CPU, NCCL on GPUs):
+    tensor-parallel shards inside pipeline stages, greedy or sampled exactly as one process
+    would (every rank draws from the same seeded stream). On one machine kiln starts the
     ranks itself and stops the whole job, naming the rank, if one dies or hangs.
 
     Several machines: with --nnodes N --rdzv-endpoint HOST:PORT this prints the torchrun
@@ -102,10 +104,12 @@ def run(
         return
     from kiln.deploy import parse
     from kiln.deploy.generate_job import GenerateRequest
+    from kiln.llm.generate import Sampling
 
     with refused():
         request = GenerateRequest(
             checkpoint=checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
+            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
             packed=not unpacked, head=head, engine="eager", tp=tp, pp=pp,
             split=parse.layer_split(split), microbatches=microbatches, chat=chat,
         )  # fmt: skip
