@@ -136,11 +136,16 @@ def extension_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-def load_plain_extension(name: str, sources: Sequence[Path], flags: Sequence[str]) -> ModuleType:
+def load_plain_extension(
+    name: str, sources: Sequence[Path], flags: Sequence[str], include_dirs: Sequence[Path] = ()
+) -> ModuleType:
     """Compile ``sources[0]`` (a Python extension module ``kiln_<name>_ext`` written against
     the CPython API only) once into the cache folder, keyed by ``extension_key``, and
-    import it. Raises KilnCompileError when the compiler fails, RuntimeError on a CPU
-    without AVX2+FMA. The .so appears by atomic rename, so concurrent builds are safe."""
+    import it. The rest of ``sources`` are the headers it includes (they only enter the
+    key, so list every one); the include path is ``sources[0]``'s folder, then
+    ``include_dirs``, then ``INCLUDE``. Raises KilnCompileError when the compiler fails,
+    RuntimeError on a CPU without AVX2+FMA. The .so appears by atomic rename, so
+    concurrent builds are safe."""
     isa()  # raises on a CPU without AVX2+FMA
     out_dir = cache_dir() / name
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -150,7 +155,8 @@ def load_plain_extension(name: str, sources: Sequence[Path], flags: Sequence[str
         with tempfile.TemporaryDirectory(dir=out_dir, prefix=".build-") as tmp:
             tmp_so = Path(tmp) / "ext.so"
             here = sources[0].parent
-            cmd = [compiler(), *flags, f"-I{include}", f"-I{here}", f"-I{INCLUDE}", str(sources[0])]
+            dirs = (here, *include_dirs, INCLUDE)
+            cmd = [compiler(), *flags, f"-I{include}", *(f"-I{d}" for d in dirs), str(sources[0])]
             proc = subprocess.run([*cmd, "-o", str(tmp_so)], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise KilnCompileError(

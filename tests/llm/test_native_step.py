@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from kiln.compress.quantizers import quantize_int4, quantize_int8
+from kiln.core import native
 from kiln.kernels.formats import dequantize_int4, dequantize_int8, pack_int4
 from kiln.llm.native import step as decode
 from tests.helpers import assert_close_to_reference
+from tests.kernels.cpu.test_woq_cpu import quoted_includes
 
 TOL = 1e-5  # fp32 dot products of <= 600 terms, summed in another order than MKL
 
@@ -92,6 +94,16 @@ def test_descriptor_floats_are_double_bits() -> None:
     d = decode.Descriptor()
     d.float(0.1)
     assert d.to_tensor().view(torch.float64).item() == 0.1
+
+
+def test_cache_key_covers_every_included_header() -> None:
+    # decode.cpp includes woq.h (never woq.cpp) from the kernels' folder.
+    dirs = [*decode.INCLUDE_DIRS, native.INCLUDE]
+    included = quoted_includes(decode.SOURCES[0], dirs)
+    assert decode.SOURCES[0].name == "decode.cpp"
+    assert included <= {p.resolve() for p in decode.SOURCES}
+    assert {p.name for p in included} >= {"woq.h", "kiln_vec.h", "decode_gemv.h"}
+    assert not any(p.suffix == ".cpp" for p in included)
 
 
 def test_extension_key_tracks_flags_and_torch(monkeypatch: pytest.MonkeyPatch) -> None:

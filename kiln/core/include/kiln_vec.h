@@ -1,4 +1,6 @@
-// kiln_vec.h — portable SIMD float math for generated kiln programs (namespace kv).
+// kiln_vec.h — portable SIMD float math for kiln's C++ (namespace kv): the compiler's generated
+// programs, the weight-only INT8 / INT4 kernels (kiln/kernels/cpu/woq.h, which also use the
+// weight loads section) and the decode step (kiln/llm/native).
 //
 // One vector type V of W float lanes, written with GCC vector extensions so that the
 // same source is AVX-512 (W = 16, zmm) when the compiler targets AVX-512F and AVX2 (W = 8,
@@ -128,6 +130,49 @@ KV_INLINE void store_u8n(uint8_t* p, V v, int n) {
   VB b = to_u8(v);
   for (int i = 0; i < n && i < W; ++i) p[i] = b[i];
 }
+
+// ---------------------------------------------------------------- weight loads for the
+// weight-only kernels (kiln/kernels/cpu/woq.h): W int8 / uint8 / fp16 weights widened to W
+// fp32 lanes in registers as they stream past, exactly. Each reads exactly the W source
+// elements it converts. (Broadcast, fma, load, store and the partial store of the results
+// are splat, fma, load, store and storen above.)
+#if KV_BYTES == 64
+// W signed bytes -> W floats.
+KV_INLINE V widen_i8(const int8_t* p) {
+  return (V)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+// W unsigned bytes -> W int32 lanes (for INT4: each byte holds two 4-bit codes).
+KV_INLINE VI widen_u8(const uint8_t* p) {
+  return (VI)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+}
+// Bits 0-3 / 4-7 of each lane of widen_u8 as floats 0..15.
+KV_INLINE V low_nibble(VI d) {
+  return (V)_mm512_cvtepi32_ps(_mm512_and_si512((__m512i)d, _mm512_set1_epi32(15)));
+}
+KV_INLINE V high_nibble(VI d) { return (V)_mm512_cvtepi32_ps(_mm512_srli_epi32((__m512i)d, 4)); }
+// W fp16 values -> W floats.
+#define KV_HAVE_F16 1
+KV_INLINE V widen_f16(const void* p) {
+  return (V)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+#else
+KV_INLINE V widen_i8(const int8_t* p) {
+  return (V)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+}
+KV_INLINE VI widen_u8(const uint8_t* p) {
+  return (VI)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+}
+KV_INLINE V low_nibble(VI d) {
+  return (V)_mm256_cvtepi32_ps(_mm256_and_si256((__m256i)d, _mm256_set1_epi32(15)));
+}
+KV_INLINE V high_nibble(VI d) { return (V)_mm256_cvtepi32_ps(_mm256_srli_epi32((__m256i)d, 4)); }
+#if defined(__F16C__)  // widen_f16 (KV_HAVE_F16) needs F16C next to AVX2
+#define KV_HAVE_F16 1
+KV_INLINE V widen_f16(const void* p) {
+  return (V)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p));
+}
+#endif
+#endif
 
 // ---------------------------------------------------------------- simple arithmetic
 KV_INLINE V fma(V a, V b, V c) {  // a * b + c, one rounding

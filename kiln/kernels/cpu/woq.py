@@ -3,7 +3,8 @@
 At decode a linear layer sees a few rows of activations and is memory-bound: the time is
 the weight bytes streamed from DRAM. Three backends compute ``y = x @ W.T`` here:
 
-* ``"kiln"``: kiln's C++ kernel (``woq.cpp``): weights repacked once into panels of W
+* ``"kiln"``: kiln's C++ kernel (``woq.h``, its Python module ``woq.cpp``; SIMD through
+  ``kiln_vec.h``, shared with the decode step): weights repacked once into panels of W
   output channels, up to 8 activation rows per pass with all accumulators in registers,
   weights widened to fp32 in registers and accumulated in fp32. Built with plain ``g++``
   (-march=native: AVX2 or AVX-512 by the build machine) as a tiny CPython extension, cached
@@ -61,7 +62,11 @@ from kiln.kernels.formats import (
 Backend = Literal["auto", "kiln", "torch", "dequant"]
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ("woq.cpp", "woq_vec.h")
+# The SIMD headers of kiln.core.native.INCLUDE, included by woq.h.
+VEC_HEADERS = tuple(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h"))
+KERNEL_HEADER = HERE / "woq.h"  # the kernels, also included by the decode step
+# woq.cpp (what is compiled), then every header it includes: they all enter the cache key.
+SOURCES = (HERE / "woq.cpp", KERNEL_HEADER, *VEC_HEADERS)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -78,14 +83,14 @@ KILN_MAX_ROWS = 256
 # ------------------------------------------------------------------ build
 def extension_key() -> str:
     """Cache key of the extension: everything that changes its binary or its ABI."""
-    return native.extension_key([HERE / name for name in SOURCES], FLAGS)
+    return native.extension_key(SOURCES, FLAGS)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
     """kiln's weight-only matmul extension, compiled on first use and cached on disk
     (``native.load_plain_extension``)."""
-    return native.load_plain_extension("woq", [HERE / name for name in SOURCES], FLAGS)
+    return native.load_plain_extension("woq", SOURCES, FLAGS)
 
 
 # ------------------------------------------------------------------ repacking
@@ -106,7 +111,7 @@ def panels_int8(qweight: Tensor, lanes: int) -> Tensor:
 def panels_int4(
     packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, lanes: int
 ) -> Tensor:
-    """The INT4 format -> per-panel group records uint8 (P, G, 4W + gW/2) (see woq.cpp)."""
+    """The INT4 format -> per-panel group records uint8 (P, G, 4W + gW/2) (see woq.h)."""
     n, k = packed.shape[0], 2 * packed.shape[1]
     panels, groups, half = -(-n // lanes), k // group_size, group_size // 2
     nib = _pad_rows(packed, panels * lanes).view(panels, lanes, groups, half)

@@ -11,24 +11,30 @@
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
 // head, soft-cap.
 // Linear layers: dense fp32 / bf16 / fp16 weights through decode_gemv.h, INT8 / INT4
-// weight-only through woq.cpp's kernels (included here: one copy of them). A bf16 / fp16
+// weight-only through woq.h's kernels (kiln/kernels/cpu, namespace woq). A bf16 / fp16
 // model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are
 // fp32. Pointwise math uses kiln_vec.h. Threads: one OpenMP region per step on torch's
 // libgomp (the one thread pool), synchronised by work counting (decode_team.h):
 // projections (q/k/v together, gate/up together), attention and the head are split across
 // threads; norms and pointwise steps (a few thousand floats) run on thread 0.
-#include "woq.cpp"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
+#include <Python.h>
+#include <omp.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <deque>
 #include <exception>
+#include <new>
 #include <string>
+#include <vector>
 
 #include "decode_desc.h"
 #include "decode_gemv.h"
 #include "decode_ops.h"
 #include "decode_team.h"
+#include "woq.h"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 namespace kdec {
 
@@ -40,16 +46,16 @@ struct LinearJob {
   float* y;
   int storage;  // the dense kinds' storage code, -1 for INT8 / INT4
   DenseArgs f{};
-  Int8Args i8{};
-  Int4Args i4{};
+  woq::Int8Args i8{};
+  woq::Int4Args i4{};
   std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1) or bf16's split pairs;
                                 // INT4 group sums
   int64_t blocks = 0, per_item = 1, items = 0;
 
   LinearJob(const Lin& lin, const float* x, int64_t rows, float* out, int threads)
       : l(lin), M(rows), y(out), storage(dense_storage(lin.kind)) {
-    if (storage < 0 && M > 1) {  // woq kernels read rows interleaved (see woq.cpp drive)
-      xt = interleave_rows(x, M, l.K);
+    if (storage < 0 && M > 1) {  // woq kernels read rows interleaved (see woq.h drive)
+      xt = woq::interleave_rows(x, M, l.K);
     }
     const float* xk = xt.empty() ? x : xt.data();
     if (storage == kBF16) {
@@ -60,12 +66,12 @@ struct LinearJob {
       f = DenseArgs{x, xt.data(), M, l.K, l.N, l.w, storage, l.bias, y};
       blocks = (l.N + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock;
     } else {
-      blocks = ((l.N + wv::W - 1) / wv::W + kBlockPanels - 1) / kBlockPanels;
+      blocks = ((l.N + kv::W - 1) / kv::W + woq::kBlockPanels - 1) / woq::kBlockPanels;
       if (l.kind == kLinInt8) {
-        i8 = Int8Args{xk, M, l.K, l.N, static_cast<const int8_t*>(l.w), l.scale, y};
+        i8 = woq::Int8Args{xk, M, l.K, l.N, static_cast<const int8_t*>(l.w), l.scale, y};
       } else {
-        xsum = group_sums(x, M, l.K, l.g);
-        i4 = Int4Args{xk, M, l.K, l.N, l.g, static_cast<const uint8_t*>(l.w), y, xsum.data()};
+        xsum = woq::group_sums(x, M, l.K, l.g);
+        i4 = woq::Int4Args{xk, M, l.K, l.N, l.g, static_cast<const uint8_t*>(l.w), y, xsum.data()};
       }
     }
     const int64_t n = split_items(blocks, threads);
@@ -82,20 +88,20 @@ struct LinearJob {
       if (scratch) a.y = scratch;
       gemv_dense(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
     } else if (j.l.kind == kLinInt8) {
-      Int8Args a = j.i8;
+      woq::Int8Args a = j.i8;
       if (scratch) a.y = scratch;
-      run_blocks<Int8Block>(a, b0, b1);
+      woq::run_blocks<woq::Int8Block>(a, b0, b1);
     } else {
-      Int4Args a = j.i4;
+      woq::Int4Args a = j.i4;
       if (scratch) a.y = scratch;
-      run_blocks<Int4Block>(a, b0, b1);
+      woq::run_blocks<woq::Int4Block>(a, b0, b1);
     }
   }
 
   // Copies item i's output columns from a helper's scratch to y.
   static void commit(const void* ctx, int64_t i, const float* scratch) {
     const LinearJob& j = *static_cast<const LinearJob*>(ctx);
-    const int64_t unit = j.storage >= 0 ? kGemvRowsPerBlock : kBlockPanels * wv::W;
+    const int64_t unit = j.storage >= 0 ? kGemvRowsPerBlock : woq::kBlockPanels * kv::W;
     const int64_t n0 = i * j.per_item * unit, n1 = std::min(j.l.N, (i + 1) * j.per_item * unit);
     for (int64_t r = 0; r < j.M; ++r)
       std::memcpy(j.y + r * j.l.N + n0, scratch + r * j.l.N + n0, sizeof(float) * (n1 - n0));
@@ -336,6 +342,21 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
 }
 
 // ------------------------------------------------------------------ Python bindings
+// Arguments are plain integers (data pointers and sizes); step.py checks the tensors.
+bool read_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, int64_t* out,
+               const char* name) {
+  if (nargs != want) {
+    PyErr_Format(PyExc_TypeError, "%s expects %zd integer arguments, got %zd", name, want,
+                 nargs);
+    return false;
+  }
+  for (Py_ssize_t i = 0; i < want; ++i) {
+    out[i] = PyLong_AsLongLong(args[i]);
+    if (out[i] == -1 && PyErr_Occurred()) return false;
+  }
+  return true;
+}
+
 // Runs f() (returning "" or an error) without the GIL; errors become Python exceptions.
 template <class F>
 PyObject* released(const char* what, F&& f) {
@@ -393,7 +414,7 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
-PyObject* py_decode_lanes(PyObject*, PyObject*) { return PyLong_FromLong(wv::W); }
+PyObject* py_decode_lanes(PyObject*, PyObject*) { return PyLong_FromLong(kv::W); }
 
 #define KDEC_FASTCALL(f) reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(f))
 PyMethodDef kDecodeMethods[] = {

@@ -23,7 +23,7 @@ namespace kdec {
 constexpr int64_t kMagic = 0x6B696C6E64656302;  // "kilndec" + layout version 2
 constexpr int64_t kLayerEnd = 0x6C61796572656E64;
 
-// Linear kinds: dense (a weight matrix of one storage type) or woq.cpp's packed layouts.
+// Linear kinds: dense (a weight matrix of one storage type) or woq.h's packed layouts.
 enum : int64_t { kLinFp32 = 0, kLinInt8 = 1, kLinInt4 = 2, kLinBf16 = 3, kLinFp16 = 4 };
 
 // The storage code of a dense kind, or -1 for a packed (woq) kind.

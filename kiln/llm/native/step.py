@@ -2,10 +2,11 @@
 
 The extension is a tiny CPython module compiled with plain ``g++`` (as ``woq.py``'s: no
 torch headers, METH_FASTCALL taking plain integers, so a call costs well under a
-microsecond of binding work). It includes ``woq.cpp`` for the INT8 / INT4 kernels and
-``kiln_vec.h`` for pointwise math, and links libgomp (``-fopenmp``), which resolves to the
-copy torch has loaded: torch's one thread pool. The ``.so`` is cached under
-``<kiln cache>/decode/`` by a hash of every source it includes, the flags, the compiler,
+microsecond of binding work). It includes ``woq.h`` (kiln/kernels/cpu, on the include
+path) for the INT8 / INT4 kernels and ``kiln_vec.h`` for the SIMD math, and links libgomp
+(``-fopenmp``), which resolves to the copy torch has loaded: torch's one thread pool. The
+``.so`` is cached under ``<kiln cache>/decode/`` by a hash of every source it includes
+(``SOURCES``: decode.cpp, decode_*.h, woq.h, kiln_vec*.h), the flags, the compiler,
 torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512 elsewhere).
 
 The model reaches C++ as a flat int64 *descriptor* (layout in decode_desc.h's header
@@ -27,23 +28,19 @@ import torch
 from torch import Tensor
 
 from kiln.core import native
+from kiln.kernels.cpu import woq
 from kiln.kernels.cpu.woq import panels_int4, panels_int8
 from kiln.kernels.formats import check_int4, check_int8
 
 HERE = Path(__file__).resolve().parent
+# decode.cpp (what is compiled), then every header it includes: they all enter the cache key.
 SOURCES = (
-    "decode.cpp",
-    "decode_desc.h",
-    "decode_ops.h",
-    "decode_team.h",
-    "decode_gemv.h",
-    "decode_half.h",
-    "woq.cpp",
-    "woq_vec.h",
-    "kiln_vec.h",
-    "kiln_vec_pow.h",
-    "kiln_vec_trig.h",
-)
+    *(HERE / name for name in ("decode.cpp", "decode_desc.h", "decode_ops.h", "decode_team.h",
+                               "decode_gemv.h", "decode_half.h")),
+    woq.KERNEL_HEADER,
+    *woq.VEC_HEADERS,
+)  # fmt: skip
+INCLUDE_DIRS = (woq.KERNEL_HEADER.parent,)  # woq.h (kiln_vec*.h are on every extension's path)
 FLAGS = (
     "-O3",
     "-march=native",
@@ -65,14 +62,14 @@ LAYER_END = 0x6C61796572656E64  # decode.cpp kLayerEnd
 # ------------------------------------------------------------------ build
 def extension_key() -> str:
     """Cache key of the extension: everything that changes its binary or its ABI."""
-    return native.extension_key([HERE / name for name in SOURCES], FLAGS)
+    return native.extension_key(SOURCES, FLAGS)
 
 
 @functools.cache
 def load_extension() -> ModuleType:
     """The decode extension, compiled on first use (~10 s) and cached on disk
     (``native.load_plain_extension``)."""
-    return native.load_plain_extension("decode", [HERE / name for name in SOURCES], FLAGS)
+    return native.load_plain_extension("decode", SOURCES, FLAGS, INCLUDE_DIRS)
 
 
 # ------------------------------------------------------------------ linear records
@@ -93,7 +90,7 @@ def _check_fp32(name: str, t: Tensor, shape: tuple[int, ...]) -> Tensor:
 class LinearArgs:
     """One linear layer as decode.cpp runs it: y (M, n) = x (M, k) @ W.T + bias.
 
-    ``weight`` is the dense (n, k) weight itself (fp32, bf16 or fp16), or woq.cpp's panel
+    ``weight`` is the dense (n, k) weight itself (fp32, bf16 or fp16), or woq.h's panel
     layout (INT8: int8 (P, k, lanes) with ``scale`` (P * lanes,); INT4: uint8 group records,
     ``group`` the group size). The record holds pointers; this object keeps the tensors alive.
     """
