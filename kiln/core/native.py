@@ -28,17 +28,6 @@ import torch
 from kiln.core.cache import cache_dir
 
 INCLUDE = Path(__file__).resolve().parent / "include"  # the shared SIMD headers
-# NOT -ffast-math: nan and inf must survive. -fno-math-errno lets sqrt inline.
-PROGRAM_FLAGS = (
-    "-O3",
-    "-march=native",
-    "-ffp-contract=fast",
-    "-fno-math-errno",
-    "-fno-semantic-interposition",  # direct calls to the program's own inline functions
-    "-shared",
-    "-fPIC",
-    "-std=c++17",
-)
 # /proc/cpuinfo flags that change what -march=native may emit (vector ISA extensions).
 _ISA_PREFIXES = ("avx", "fma", "f16c", "bmi", "sse", "ssse", "amx", "vaes", "vpclmul", "gfni")
 

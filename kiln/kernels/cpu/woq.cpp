@@ -10,6 +10,7 @@
 #include <new>
 #include <vector>
 
+#include "kiln_py.h"
 #include "woq.h"
 
 namespace {
@@ -19,20 +20,7 @@ using woq::Int4Block;
 using woq::Int8Args;
 using woq::Int8Block;
 
-// Arguments are plain integers (data pointers and sizes); woq.py checks the tensors.
-bool read_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, int64_t* out,
-               const char* name) {
-  if (nargs != want) {
-    PyErr_Format(PyExc_TypeError, "%s expects %zd integer arguments, got %zd", name, want,
-                 nargs);
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < want; ++i) {
-    out[i] = PyLong_AsLongLong(args[i]);
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
+using kpy::read_ints;
 
 // Runs f() without the GIL; a failed allocation (the activation copies) is a MemoryError.
 template <class F>

@@ -66,7 +66,8 @@ HERE = Path(__file__).resolve().parent
 VEC_HEADERS = tuple(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h"))
 KERNEL_HEADER = HERE / "woq.h"  # the kernels, also included by the decode step
 # woq.cpp (what is compiled), then every header it includes: they all enter the cache key.
-SOURCES = (HERE / "woq.cpp", KERNEL_HEADER, *VEC_HEADERS)
+PY_HEADER = native.INCLUDE / "kiln_py.h"  # the Python-boundary helpers, shared with decode
+SOURCES = (HERE / "woq.cpp", KERNEL_HEADER, PY_HEADER, *VEC_HEADERS)
 FLAGS = (
     "-O3",
     "-march=native",

@@ -34,6 +34,7 @@
 #include "decode_gemv.h"
 #include "decode_ops.h"
 #include "decode_team.h"
+#include "kiln_py.h"
 #include "woq.h"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 namespace kdec {
@@ -342,20 +343,7 @@ std::string step(const int64_t* desc, const int64_t* tokens, int64_t pos, int64_
 }
 
 // ------------------------------------------------------------------ Python bindings
-// Arguments are plain integers (data pointers and sizes); step.py checks the tensors.
-bool read_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, int64_t* out,
-               const char* name) {
-  if (nargs != want) {
-    PyErr_Format(PyExc_TypeError, "%s expects %zd integer arguments, got %zd", name, want,
-                 nargs);
-    return false;
-  }
-  for (Py_ssize_t i = 0; i < want; ++i) {
-    out[i] = PyLong_AsLongLong(args[i]);
-    if (out[i] == -1 && PyErr_Occurred()) return false;
-  }
-  return true;
-}
+using kpy::read_ints;
 
 // Runs f() (returning "" or an error) without the GIL; errors become Python exceptions.
 template <class F>

@@ -6,7 +6,7 @@ microsecond of binding work). It includes ``woq.h`` (kiln/kernels/cpu, on the in
 path) for the INT8 / INT4 kernels and ``kiln_vec.h`` for the SIMD math, and links libgomp
 (``-fopenmp``), which resolves to the copy torch has loaded: torch's one thread pool. The
 ``.so`` is cached under ``<kiln cache>/decode/`` by a hash of every source it includes
-(``SOURCES``: decode.cpp, decode_*.h, woq.h, kiln_vec*.h), the flags, the compiler,
+(``SOURCES``: decode.cpp, decode_*.h, woq.h, kiln_py.h, kiln_vec*.h), the flags, the compiler,
 torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512 elsewhere).
 
 The model reaches C++ as a flat int64 *descriptor* (layout in decode_desc.h's header
@@ -38,6 +38,7 @@ SOURCES = (
     *(HERE / name for name in ("decode.cpp", "decode_desc.h", "decode_ops.h", "decode_team.h",
                                "decode_gemv.h", "decode_half.h")),
     woq.KERNEL_HEADER,
+    woq.PY_HEADER,
     *woq.VEC_HEADERS,
 )  # fmt: skip
 INCLUDE_DIRS = (woq.KERNEL_HEADER.parent,)  # woq.h (kiln_vec*.h are on every extension's path)
