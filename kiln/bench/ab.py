@@ -112,11 +112,8 @@ def run(other: Path, rounds: int, reps: int, out_dir: Path) -> dict[str, Any]:
         "best": best,
         "this_over_other": {w: best["this"][w] / best["other"][w] for w in PROBES},
     }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"ab-{system.device_slug(cpu)}-{time.strftime('%Y%m%d')}.json"
-    path.write_text(json.dumps(result, indent=1) + "\n")
-    path.with_suffix(".md").write_text(markdown(result))
-    result["path"] = str(path)
+    name = f"ab-{system.device_slug(cpu)}-{time.strftime('%Y%m%d')}.json"
+    system.write_result(result, out_dir, name, markdown(result))
     return result
 
 

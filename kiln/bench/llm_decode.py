@@ -280,16 +280,8 @@ def run_decode(
     result["load_after"] = system.load_snapshot()
     add_ratios(result["results"])
     check_schema(result)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"decode-{result['device']['slug']}-{now:%Y%m%d}{'-' + tag if tag else ''}.json"
-    result["path"] = system.portable_path(path)
-    result["markdown_path"] = system.portable_path(path.with_suffix(".md"))
-    path.write_text(json.dumps(result, indent=1, default=str))
-    path.with_suffix(".md").write_text(render_markdown(result))
-    # the file records the portable paths; callers get the usable ones
-    result["path"], result["markdown_path"] = str(path), str(path.with_suffix(".md"))
-    return result
+    name = f"decode-{result['device']['slug']}-{now:%Y%m%d}{'-' + tag if tag else ''}.json"
+    return system.write_result(result, out_dir, name, render_markdown(result))
 
 
 def _fmt(v: float | None, spec: str) -> str:

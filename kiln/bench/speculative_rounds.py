@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import statistics
 import sys
 from collections.abc import Sequence
@@ -103,12 +102,8 @@ def run(prompts: int, guesses: Sequence[int], n_new: int, prompt_len: int, repea
         "prompts": prompts, "prompt_len": prompt_len, "n_new": n_new, "repeats": repeats,
         "text": "Pride and Prejudice, first 20,000 tokens", "rows": rows, "summary": summary,
     }  # fmt: skip
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"speculative-{device['slug']}-{now:%Y%m%d}.json"
-    result["path"] = system.portable_path(path)
-    path.write_text(json.dumps(result, indent=1))
-    path.with_suffix(".md").write_text(render_markdown(result))
-    result["path"] = str(path)  # the file records the portable path; callers get this one
+    name = f"speculative-{device['slug']}-{now:%Y%m%d}.json"
+    system.write_result(result, out_dir, name, render_markdown(result))
     return result
 
 

@@ -300,10 +300,4 @@ def run_suite(
             del module, inputs
     result["load_after"] = system.load_snapshot()
     result["summary"] = _summarise(result["models"], cons)
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{result['device']['slug']}-{now:%Y%m%d}.json"
-    result["path"] = system.portable_path(path)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    result["path"] = str(path)  # the file records the portable path; callers get this one
-    return result
+    return system.write_result(result, out_dir, f"{result['device']['slug']}-{now:%Y%m%d}.json")

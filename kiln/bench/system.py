@@ -3,6 +3,7 @@ any runtime: CPU name and ISA flags, versions, load average and CPU busy share."
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -127,3 +128,22 @@ def portable_path(path: str | Path) -> str:
         return p.relative_to(Path.cwd()).as_posix()
     except ValueError:
         return p.name
+
+
+def write_result(
+    result: dict[str, Any], out_dir: str | Path, name: str, markdown: str | None = None
+) -> dict[str, Any]:
+    """Write ``result`` as ``out_dir/name`` (JSON, recording its own portable path) and,
+    if given, ``markdown`` beside it (``.md``); return ``result`` with the usable paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    result["path"] = portable_path(path)
+    if markdown is not None:
+        result["markdown_path"] = portable_path(path.with_suffix(".md"))
+    path.write_text(json.dumps(result, indent=1, default=str))
+    if markdown is not None:
+        path.with_suffix(".md").write_text(markdown)
+        result["markdown_path"] = str(path.with_suffix(".md"))
+    result["path"] = str(path)
+    return result

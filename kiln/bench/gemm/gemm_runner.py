@@ -18,7 +18,6 @@ share is recorded. Outputs are checked against a float64 torch reference.
 from __future__ import annotations
 
 import datetime as dt
-import json
 import os
 import statistics
 import tempfile
@@ -284,10 +283,5 @@ def run_gemm(
     result["cotenant_busy_median"] = statistics.median(shares) if shares else None
     result["cotenant_busy_max"] = max(shares) if shares else None
     result["classes"] = summarise_classes(result["cases"])
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"gemm-{result['device']['slug']}-{now:%Y%m%d}.json"
-    result["path"] = system.portable_path(path)
-    path.write_text(json.dumps(result, indent=1, default=str))
-    result["path"] = str(path)  # the file records the portable path; callers get this one
-    return result
+    name = f"gemm-{result['device']['slug']}-{now:%Y%m%d}.json"
+    return system.write_result(result, out_dir, name)
