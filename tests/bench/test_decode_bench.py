@@ -9,6 +9,7 @@ import importlib.util
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,8 +29,8 @@ from kiln.bench.llm_decode import (
 )
 from kiln.bench.llm_decode_peers import Generation, LlamaCpp, resolve
 from kiln.models.catalog import smollm2_available
-from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
+from tests.support.models import TINY_LLAMA, tiny_transformer
 
 HAVE_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
@@ -112,12 +113,7 @@ def _no_cache_greedy(logits_of: Callable[[torch.Tensor], torch.Tensor], prompt: 
 
 
 def tiny_model() -> Transformer:
-    torch.manual_seed(0)
-    cfg = ModelConfig(
-        family="llama", vocab_size=96, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
-        head_dim=8, intermediate_size=64, max_positions=64,
-    )  # fmt: skip
-    return Transformer(cfg).eval()
+    return tiny_transformer(replace(TINY_LLAMA, vocab_size=96, intermediate_size=64))
 
 
 def test_kiln_contender_on_tiny_model() -> None:

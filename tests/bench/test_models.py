@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from kiln.bench.suite import DEFAULT_MODEL, MODELS, get
 from kiln.bench.suite.dlrm import DLRM
 from kiln.bench.suite.swiglu import SwiGLUBlock, SwiGLUTower
+from tests.support.compare import assert_close_to_reference
 
 NAMES = sorted(MODELS)
 
@@ -61,7 +62,7 @@ def test_torch_export(name: str) -> None:
     gots = got if isinstance(got, tuple) else (got,)
     for r, g in zip(refs, gots, strict=True):
         # same kernels, but the exported graph may order reductions differently
-        torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-5)
+        assert_close_to_reference(g, r, rtol_to_max=1e-5)
 
 
 def test_dlrm_interaction_matches_pairwise_loop() -> None:
@@ -72,7 +73,7 @@ def test_dlrm_interaction_matches_pairwise_loop() -> None:
         vecs = [x] + [t(sparse[:, i]) for i, t in enumerate(model.tables)]
         dots = [(vecs[i] * vecs[j]).sum(-1) for i in range(27) for j in range(i)]  # 351
         feats = torch.cat([x, torch.stack(dots, dim=1)], dim=1)  # (B, 367)
-        torch.testing.assert_close(model(dense, sparse), model.top(feats))
+        assert_close_to_reference(model(dense, sparse), model.top(feats), rtol_to_max=1e-5)
 
 
 def test_swiglu_tower_matches_formula() -> None:
@@ -84,4 +85,4 @@ def test_swiglu_tower_matches_formula() -> None:
             assert isinstance(blk, SwiGLUBlock)
             g, u, d = blk.gate.weight, blk.up.weight, blk.down.weight  # (864,320) x2, (320,864)
             y = y + (F.silu(y @ g.T) * (y @ u.T)) @ d.T
-        torch.testing.assert_close(model(x), y)
+        assert_close_to_reference(model(x), y, rtol_to_max=1e-5)

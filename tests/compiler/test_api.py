@@ -10,7 +10,7 @@ import torch
 
 import kiln
 from kiln.compiler.codegen.cpu import build
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 
 class Block(torch.nn.Module):

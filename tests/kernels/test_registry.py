@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from kiln.core.compare import sqnr_db
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from kiln.kernels.registry import int4_weight_only, int8_weight_only
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 # The kernels sum K products in another order (and INT8 applies the channel scale after
 # the sum), so they differ from F.linear by a few float32 ulps of the largest output.

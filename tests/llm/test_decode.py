@@ -10,7 +10,6 @@ same quantized model run eagerly (its own kiln weight-only kernels).
 from __future__ import annotations
 
 import copy
-import math
 from dataclasses import replace
 
 import pytest
@@ -29,10 +28,10 @@ from kiln.compress import (
 from kiln.compress.configs import SemiStructured24
 from kiln.llm import fast_decoder as decode_runtime
 from kiln.llm.fast_decoder import DecodeUnsupported, FastDecoder, quantize_head_
-from kiln.models.config import ModelConfig
 from kiln.models.kv_cache import KVCache
 from kiln.models.transformer import Transformer
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
+from tests.support.models import DECODE_CONFIGS, DECODE_LLAMA, tiny_transformer
 
 TOL = 1e-4  # relative to the largest |logit|: fp32 with a different summation order
 # 16-bit models: as TOL, plus a cached key or value that lands on the other side of a
@@ -40,84 +39,7 @@ TOL = 1e-4  # relative to the largest |logit|: fp32 with a different summation o
 TOL_16BIT = 1e-3
 STEPS = 16
 
-LLAMA = ModelConfig(
-    family="llama", vocab_size=101, hidden_size=64, n_layers=2, n_heads=4, n_kv_heads=2,
-    head_dim=16, intermediate_size=96, max_positions=256, rope_theta=10000.0,
-)  # fmt: skip
-CONFIGS = {
-    "llama_gqa": LLAMA,
-    # odd sizes: K tails of the fp32 kernel, more heads than kv heads x 3
-    "odd_qkv_bias": replace(
-        LLAMA,
-        hidden_size=44,
-        head_dim=10,
-        n_heads=6,
-        n_kv_heads=2,
-        intermediate_size=70,
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
-        tie_embeddings=False,
-    ),  # fmt: skip
-    "sliding_softcap_gelu": replace(
-        LLAMA,
-        family="gemma2",
-        n_layers=3,
-        sliding_windows=(5, None, 3),
-        attn_softcap=20.0,
-        final_softcap=15.0,
-        activation="gelu_tanh",
-        sandwich_norms=True,
-        norm_weight_offset=1.0,
-        embed_scale=8.0,
-        attn_scale=0.2,
-        rope_local_theta=500.0,
-        rope_scale=2.0,
-        qk_norm=True,
-    ),
-    "gpt2_layernorm": replace(
-        LLAMA,
-        family="gpt2",
-        norm="layer",
-        norm_bias=True,
-        positions="learned",
-        gated_mlp=False,
-        activation="gelu",
-        qkv_bias=True,
-        o_bias=True,
-        mlp_bias=True,
-        n_kv_heads=4,
-    ),
-    "opt_relu": replace(
-        LLAMA,
-        family="opt",
-        norm="layer",
-        norm_bias=True,
-        positions="learned",
-        learned_offset=2,
-        gated_mlp=False,
-        activation="relu",
-        tie_embeddings=False,
-    ),
-}
-
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def make_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """Random weights with non-trivial norms and biases (default init leaves them 1 / 0)."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and name.endswith("weight"):
-                p.copy_(1.0 - cfg.norm_weight_offset + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-            elif "embed" in name:
-                p.copy_(torch.randn_like(p) / math.sqrt(cfg.hidden_size) * 4)
-    return model
 
 
 def decode_case(
@@ -147,10 +69,10 @@ def check_decode(model: Transformer, batch: int, prompt_len: int = 5, tol: float
     assert_close_to_reference(dec.cache.keys[0], ref_cache.keys[0], rtol_to_max=tol)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(DECODE_CONFIGS))
 @pytest.mark.parametrize("batch", [1, 3])
 def test_fp32_matches_eager(name: str, batch: int) -> None:
-    check_decode(make_model(CONFIGS[name]), batch)
+    check_decode(tiny_transformer(DECODE_CONFIGS[name], init="varied"), batch)
 
 
 def round_cache_(cache: KVCache, dtype: torch.dtype) -> None:
@@ -193,17 +115,19 @@ def check_decode_16bit(model: Transformer, batch: int, prompt_len: int = 5) -> N
             assert (got_c[i].float() == ref_c[i]).float().mean().item() > 0.9
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(DECODE_CONFIGS))
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_16bit_matches_upcast_eager(name: str, dtype: torch.dtype) -> None:
-    check_decode_16bit(make_model(CONFIGS[name]).to(dtype), batch=2)
+    check_decode_16bit(tiny_transformer(DECODE_CONFIGS[name], init="varied").to(dtype), batch=2)
 
 
 @pytest.mark.parametrize(
     "config", [Int8WeightOnly(), Int4WeightOnly(group_size=32)], ids=["int8", "int4-g32"]
 )
 def test_quantized_layers_in_a_bf16_model(config: Int8WeightOnly | Int4WeightOnly) -> None:
-    model = make_model(replace(LLAMA, intermediate_size=128)).to(torch.bfloat16)
+    model = tiny_transformer(replace(DECODE_LLAMA, intermediate_size=128), init="varied").to(
+        torch.bfloat16
+    )
     assert quantize_(model, config)
     check_decode_16bit(model, batch=2)
 
@@ -217,8 +141,8 @@ def test_bf16_fast_steps_follow_bf16_prefill(
     stay within bf16 arithmetic of the eager bf16 steps."""
     if eager_prefill:
         monkeypatch.setattr(decode_runtime, "STEP_PREFILL_MAX", 0)
-    model = make_model(LLAMA).to(torch.bfloat16)
-    prompt = torch.randint(0, LLAMA.vocab_size, (1, 6))
+    model = tiny_transformer(DECODE_LLAMA, init="varied").to(torch.bfloat16)
+    prompt = torch.randint(0, DECODE_LLAMA.vocab_size, (1, 6))
     dec = FastDecoder(model, 1, 12)
     ref_cache = model.new_cache(1, 12)
     with torch.no_grad():
@@ -233,8 +157,8 @@ def test_bf16_fast_steps_follow_bf16_prefill(
 
 
 def test_batch_8_and_window_wraps_prompt() -> None:
-    cfg = replace(LLAMA, sliding_windows=(4, 7))
-    check_decode(make_model(cfg), batch=8, prompt_len=9)
+    cfg = replace(DECODE_LLAMA, sliding_windows=(4, 7))
+    check_decode(tiny_transformer(cfg, init="varied"), batch=8, prompt_len=9)
 
 
 @pytest.mark.parametrize(
@@ -242,14 +166,14 @@ def test_batch_8_and_window_wraps_prompt() -> None:
 )
 @pytest.mark.parametrize("name", ["llama_gqa", "gpt2_layernorm"])
 def test_quantized_matches_eager(config: Int8WeightOnly | Int4WeightOnly, name: str) -> None:
-    cfg = replace(CONFIGS[name], intermediate_size=128)  # INT4 needs K % 32 == 0
-    model = make_model(cfg)
+    cfg = replace(DECODE_CONFIGS[name], intermediate_size=128)  # INT4 needs K % 32 == 0
+    model = tiny_transformer(cfg, init="varied")
     assert quantize_(model, config)
     check_decode(model, batch=2)
 
 
 def test_quantized_untied_head() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
     quantize_(model, Int4WeightOnly(group_size=32))
     quantize_head_(model, Int8WeightOnly())
     assert isinstance(model.lm_head, Int8Linear)  # untied: the embedding stays fp32
@@ -260,10 +184,12 @@ def test_quantized_untied_head() -> None:
 def test_threads_give_identical_steps(quantized: bool) -> None:
     """Every output is computed whole by one thread (a helper's, or thread 0 taking an item
     back): 2 and 3 threads give the 1-thread step bit for bit."""
-    model = make_model(replace(LLAMA, intermediate_size=128, n_layers=3))
+    model = tiny_transformer(
+        replace(DECODE_LLAMA, intermediate_size=128, n_layers=3), init="varied"
+    )
     if quantized:
         quantize_(model, Int4WeightOnly(group_size=32))
-    prompt = torch.randint(0, LLAMA.vocab_size, (3, 4))
+    prompt = torch.randint(0, DECODE_LLAMA.vocab_size, (3, 4))
     runs = []
     for threads in (1, 2, 3):
         dec = FastDecoder(model, 3, 24, threads=threads)
@@ -279,10 +205,10 @@ def test_threads_give_identical_steps(quantized: bool) -> None:
 def test_fast_and_eager_steps_mix(monkeypatch: pytest.MonkeyPatch) -> None:
     """The decoder's cache is the model's KVCache: an eager step can follow fast ones."""
     monkeypatch.setattr(decode_runtime, "STEP_PREFILL_MAX", 0)  # every prefill eager
-    model = make_model(LLAMA)
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
     dec = FastDecoder(model, 1, 12)
     ref_cache = model.new_cache(1, 12)
-    tokens = torch.randint(0, LLAMA.vocab_size, (1, 10))
+    tokens = torch.randint(0, DECODE_LLAMA.vocab_size, (1, 10))
     with torch.no_grad():
         expected = model(tokens, 0, ref_cache)
         dec.prefill(tokens[:, :4])
@@ -294,7 +220,7 @@ def test_fast_and_eager_steps_mix(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("kind", ["2:4", "lowrank", "float64"])
 def test_unsupported_models_raise(kind: str) -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
     if kind == "2:4":
         sparsify_(model, SemiStructured24())
         match = "Sparse24Linear"
@@ -309,10 +235,10 @@ def test_unsupported_models_raise(kind: str) -> None:
 
 
 def test_bad_inputs_raise() -> None:
-    dec = FastDecoder(make_model(LLAMA), 2, 8)
+    dec = FastDecoder(tiny_transformer(DECODE_LLAMA, init="varied"), 2, 8)
     with pytest.raises(ValueError, match="outside the cache"):
         dec.step(torch.tensor([1, 2]), 8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
-        dec.step(torch.tensor([1, LLAMA.vocab_size]), 0)
+        dec.step(torch.tensor([1, DECODE_LLAMA.vocab_size]), 0)
     with pytest.raises(ValueError, match=r"\(2,\)"):
         dec.step(torch.tensor([1]), 0)

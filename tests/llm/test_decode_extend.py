@@ -15,8 +15,9 @@ import torch
 from kiln.compress import Int4WeightOnly, quantize_
 from kiln.llm.fast_decoder import STEP_PREFILL_MAX, FastDecoder
 from kiln.models.transformer import Transformer
-from tests.helpers import assert_close_to_reference
-from tests.llm.test_decode import CONFIGS, LLAMA, TOL, make_model
+from tests.llm.test_decode import TOL
+from tests.support.compare import assert_close_to_reference
+from tests.support.models import DECODE_CONFIGS, DECODE_LLAMA, tiny_transformer
 
 CHUNKS = (3, 1, 4, 2, 5)  # 15 positions after a 4-token prompt
 
@@ -50,16 +51,16 @@ def check_extend(
         assert_close_to_reference(dec.cache.values[i], ref_cache.values[i], rtol_to_max=TOL)
 
 
-@pytest.mark.parametrize("name", sorted(CONFIGS))
+@pytest.mark.parametrize("name", sorted(DECODE_CONFIGS))
 @pytest.mark.parametrize("batch", [1, 2])
 def test_extend_matches_eager(name: str, batch: int) -> None:
     """Every config family: rotary / learned positions, sliding windows shorter than a
     chunk (gemma2-style: windows 5 and 3), soft-caps, biases, GQA."""
-    check_extend(make_model(CONFIGS[name]), batch)
+    check_extend(tiny_transformer(DECODE_CONFIGS[name], init="varied"), batch)
 
 
 def test_extend_int4_two_threads() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
     quantize_(model, Int4WeightOnly(group_size=32))
     check_extend(model, 1, threads=2)
 
@@ -67,19 +68,19 @@ def test_extend_int4_two_threads() -> None:
 def test_extend_many_rows_two_threads() -> None:
     """4 sequences x 8 positions x 4 heads = 128 attention pairs: more than one task
     takes as items, so an item runs several pairs (and a helper commits them at once)."""
-    check_extend(make_model(LLAMA), 4, threads=2, chunks=(8, 8))
+    check_extend(tiny_transformer(DECODE_LLAMA, init="varied"), 4, threads=2, chunks=(8, 8))
 
 
 def test_extend_of_one_is_a_step() -> None:
     """step(tok, pos) is extend(tok[:, None], pos): the same call, bit for bit."""
-    model = make_model(LLAMA)
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
     a, b = FastDecoder(model, 2, 8), FastDecoder(model, 2, 8)
     tok = torch.tensor([3, 7])
-    torch.testing.assert_close(a.step(tok, 0), b.extend(tok[:, None], 0)[:, 0], rtol=0, atol=0)
+    assert torch.equal(a.step(tok, 0), b.extend(tok[:, None], 0)[:, 0])
 
 
 def test_extend_bad_inputs_raise() -> None:
-    dec = FastDecoder(make_model(LLAMA), 1, 8, max_chunk=4)
+    dec = FastDecoder(tiny_transformer(DECODE_LLAMA, init="varied"), 1, 8, max_chunk=4)
     with pytest.raises(ValueError, match="1..4"):
         dec.extend(torch.zeros(1, 5, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="outside the cache"):
@@ -87,7 +88,7 @@ def test_extend_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match=r"\(1, T\)"):
         dec.extend(torch.zeros(2, 3, dtype=torch.long), 0)
     with pytest.raises(ValueError, match="max_chunk"):
-        FastDecoder(make_model(LLAMA), 1, 8, max_chunk=0)
+        FastDecoder(tiny_transformer(DECODE_LLAMA, init="varied"), 1, 8, max_chunk=0)
 
 
 @pytest.mark.parametrize("n", [STEP_PREFILL_MAX // 2, STEP_PREFILL_MAX // 2 + 1])
@@ -95,8 +96,8 @@ def test_prefill_by_steps_up_to_the_limit(n: int, monkeypatch: pytest.MonkeyPatc
     """Prompts of up to STEP_PREFILL_MAX rows (here 2 sequences x n tokens) prefill by
     extend, max_chunk rows (4 positions) a call; longer ones by the eager model; both give
     the eager model's logits."""
-    model = make_model(LLAMA)
-    tokens = torch.randint(0, LLAMA.vocab_size, (2, n))
+    model = tiny_transformer(DECODE_LLAMA, init="varied")
+    tokens = torch.randint(0, DECODE_LLAMA.vocab_size, (2, n))
     dec = FastDecoder(model, 2, n + 1)
     calls: list[int] = []
     extend = dec.extend

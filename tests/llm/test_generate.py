@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -14,23 +16,16 @@ from kiln.llm.generate import (
     choose,
     generate,
 )
-from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
+from tests.support.models import TINY_LLAMA, tiny_transformer
 
-CFG = ModelConfig(
-    family="llama", vocab_size=97, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
-    head_dim=8, intermediate_size=48, max_positions=64, sliding_windows=(None, 5),
-)  # fmt: skip
+CFG = replace(TINY_LLAMA, sliding_windows=(None, 5))
 
 
 def tiny_model(seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(CFG).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.3)  # large enough that the argmax is decided by the weights
-    return model
+    """Every parameter N(0, 0.3): large enough that the argmax is decided by the weights."""
+    return tiny_transformer(CFG, seed, init="normal")
 
 
 @torch.inference_mode()

@@ -9,24 +9,19 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.compress import Int4WeightOnly, quantize_
+from kiln.compress import Int4WeightOnly
 from kiln.llm import hugepages
 from kiln.llm.fast_decoder import FastDecoder
 from kiln.llm.native.step import KIND_INT4, Descriptor, dense_args
-from kiln.models.config import ModelConfig
-from kiln.models.transformer import Transformer
+from tests.support.models import TINY_LLAMA, tiny_transformer
 
-CFG = ModelConfig(
-    family="llama", vocab_size=97, hidden_size=32, n_layers=2, n_heads=4, n_kv_heads=2,
-    head_dim=8, intermediate_size=48, max_positions=64,
-)  # fmt: skip
+CFG = TINY_LLAMA
 HAVE_THP = hugepages.thp_mode() in ("always", "madvise")
 
 
 @pytest.mark.skipif(not HAVE_THP, reason="transparent huge pages are off on this machine")
 def test_move_keeps_values_ties_and_outputs() -> None:
-    torch.manual_seed(0)
-    model = Transformer(CFG).eval()
+    model = tiny_transformer(CFG)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     tokens = torch.randint(0, CFG.vocab_size, (2, 7))
     with torch.no_grad():
@@ -68,7 +63,7 @@ def test_thp_mode_reads_the_bracketed_choice(
 
 
 def test_fast_decoder_reports_what_moved() -> None:
-    model = Transformer(CFG).eval()
+    model = tiny_transformer(CFG)
     dec = FastDecoder(model, 1, 8)
     assert dec.huge_pages.endswith("MiB moved") == HAVE_THP, dec.huge_pages
     assert FastDecoder(model, 1, 8, huge_pages=False).huge_pages == "not asked for"
@@ -78,8 +73,7 @@ def test_fast_decoder_reports_what_moved() -> None:
 def test_packed_weights_move_and_steps_are_unchanged() -> None:
     """An INT4 model's repacked weights (made by the decoder, outside the model's arena)
     move into huge pages too; the step's logits are bit-identical either way."""
-    model = Transformer(CFG).eval()
-    quantize_(model, Int4WeightOnly(group_size=32))
+    model = tiny_transformer(CFG, compression=Int4WeightOnly(group_size=32))
     moved, kept = FastDecoder(model, 1, 8), FastDecoder(model, 1, 8, huge_pages=False)
     assert "packed weights:" in moved.huge_pages and moved.huge_pages.endswith("MiB moved")
     for dec, in_arena in ((moved, True), (kept, False)):
@@ -87,7 +81,7 @@ def test_packed_weights_move_and_steps_are_unchanged() -> None:
             if args.kind == KIND_INT4:  # a view into the shared arena, or its own storage
                 assert (args.weight.untyped_storage().nbytes() > args.weight.nbytes) == in_arena
     tok = torch.tensor([5])
-    torch.testing.assert_close(moved.step(tok, 0), kept.step(tok, 0), rtol=0, atol=0)
+    assert torch.equal(moved.step(tok, 0), kept.step(tok, 0))
 
 
 def test_relocate_checks_the_copy() -> None:

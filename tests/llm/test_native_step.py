@@ -13,8 +13,8 @@ from kiln.compress.quantizers import quantize_int4, quantize_int8
 from kiln.core import native
 from kiln.kernels.formats import dequantize_int4, dequantize_int8, pack_int4
 from kiln.llm.native import step as decode
-from tests.helpers import assert_close_to_reference
-from tests.kernels.cpu.test_woq_cpu import quoted_includes
+from tests.support.compare import assert_close_to_reference
+from tests.support.native import quoted_includes
 
 TOL = 1e-5  # fp32 dot products of <= 600 terms, summed in another order than MKL
 

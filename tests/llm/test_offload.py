@@ -17,13 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
+from kiln.compress import Int4WeightOnly, Int8WeightOnly
 from kiln.llm.offload import HostKVCache, offload_
 from kiln.llm.offload_store import DATA, block_state, read_store
 from kiln.models.config import ModelConfig
 from kiln.models.kv_cache import KVCache
 from kiln.models.transformer import Transformer
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
+from tests.support.models import tiny_transformer
 
 REPO = Path(__file__).resolve().parents[2]
 CFG = ModelConfig(
@@ -35,15 +36,9 @@ STEPS = 16
 
 
 def random_model(compress: str = "fp32", seed: int = 0) -> Transformer:
-    torch.manual_seed(seed)
-    model = Transformer(CFG).eval()
-    if compress == "int8":
-        quantize_(model, Int8WeightOnly(), filter_fn=lambda m, n: n.startswith("layers."))
-    elif compress == "int4":
-        quantize_(
-            model, Int4WeightOnly(group_size=32), filter_fn=lambda m, n: n.startswith("layers.")
-        )
-    return model
+    """CFG with the default init; "int8" / "int4": its blocks' linears compressed."""
+    configs = {"fp32": None, "int8": Int8WeightOnly(), "int4": Int4WeightOnly(group_size=32)}
+    return tiny_transformer(CFG, seed, compression=configs[compress], blocks_only=True)
 
 
 @torch.inference_mode()

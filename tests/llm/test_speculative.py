@@ -20,12 +20,12 @@ from kiln.llm.fast_decoder import FastDecoder
 from kiln.llm.generate import EagerDecoder, Sampling, SpeculativeStats, generate
 from kiln.llm.speculative import SpeculativeDecoder, accept_or_resample, quantized_draft
 from kiln.models.transformer import Transformer
-from tests.helpers import assert_close_to_reference
-from tests.llm.test_decode import CONFIGS, make_model
+from tests.support.compare import assert_close_to_reference
+from tests.support.models import DECODE_CONFIGS, tiny_transformer
 
 N_NEW = 20
 PROMPT_LEN = 5
-TARGETS = {n: replace(CONFIGS[n], tie_embeddings=False) for n in CONFIGS}
+TARGETS = {n: replace(DECODE_CONFIGS[n], tie_embeddings=False) for n in DECODE_CONFIGS}
 LLAMA = TARGETS["llama_gqa"]
 
 
@@ -58,7 +58,7 @@ def speculate(model: Transformer, draft: Transformer, k: int, n: int = N_NEW,
 )
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_int8_draft_gives_the_targets_greedy_text(name: str, k: int) -> None:
-    model = make_model(TARGETS[name])
+    model = tiny_transformer(TARGETS[name], init="varied")
     got, st = speculate(model, quantized_draft(model), k)
     ref = plain_greedy(model, prompt_of(model), N_NEW)
     assert len(set(ref[0].tolist())) > N_NEW // 2  # a varied text, not one token repeated
@@ -68,14 +68,14 @@ def test_int8_draft_gives_the_targets_greedy_text(name: str, k: int) -> None:
 
 
 def test_matches_the_eager_model() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     got, _ = speculate(model, quantized_draft(model), 3)
     ref = generate(EagerDecoder(model, 1, PROMPT_LEN + N_NEW), prompt_of(model), N_NEW).tokens
     assert torch.equal(got, ref)
 
 
 def test_a_perfect_draft_is_always_accepted() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     k = 4
     got, st = speculate(model, model, k)
     assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
@@ -85,7 +85,7 @@ def test_a_perfect_draft_is_always_accepted() -> None:
 
 def test_any_decoder_can_draft() -> None:
     """An eager draft (no extend: a kept round's last guess is fed by a step of its own)."""
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     max_len = PROMPT_LEN + N_NEW
     spec = SpeculativeDecoder(
         FastDecoder(model, 1, max_len, max_chunk=4), EagerDecoder(model, 1, max_len), 3
@@ -96,7 +96,10 @@ def test_any_decoder_can_draft() -> None:
 
 
 def test_a_wrong_draft_changes_nothing_but_speed() -> None:
-    model, other = make_model(LLAMA), make_model(LLAMA, seed=7)
+    model, other = (
+        tiny_transformer(LLAMA, init="varied"),
+        tiny_transformer(LLAMA, seed=7, init="varied"),
+    )
     got, st = speculate(model, other, 3)
     assert torch.equal(got, plain_greedy(model, prompt_of(model), N_NEW))
     assert st.acceptance < 0.5
@@ -104,14 +107,14 @@ def test_a_wrong_draft_changes_nothing_but_speed() -> None:
 
 @pytest.mark.parametrize("n", [1, 2, 7])
 def test_short_generations(n: int) -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     got, _ = speculate(model, model, 4, n=n)
     assert got.shape == (1, n)
     assert torch.equal(got, plain_greedy(model, prompt_of(model), n))
 
 
 def test_stops_after_a_stop_token() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     full = plain_greedy(model, prompt_of(model), N_NEW)[0].tolist()
     stop = full[6]  # a token the text reaches mid-round
     got, _ = speculate(model, model, 4, stops=(stop,))
@@ -119,7 +122,7 @@ def test_stops_after_a_stop_token() -> None:
 
 
 def test_bad_setups_raise() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     one = FastDecoder(model, 1, 16, max_chunk=4)
     with pytest.raises(ValueError, match="one sequence"):
         SpeculativeDecoder(FastDecoder(model, 2, 16), one, 2)
@@ -163,7 +166,10 @@ def test_sampled_text_follows_the_target_distribution() -> None:
     token's frequencies over 3000 seeded runs match its exact probability under the target,
     sum over t1 of p(t1 | prompt) p(t2 | prompt, t1), computed by the eager model."""
     cfg = replace(LLAMA, vocab_size=12)
-    model, other = make_model(cfg), make_model(cfg, seed=5)
+    model, other = (
+        tiny_transformer(cfg, init="varied"),
+        tiny_transformer(cfg, seed=5, init="varied"),
+    )
     sampling = Sampling(temperature=1.0)
     prompt = torch.tensor([[3, 7, 1]])
     with torch.no_grad():
@@ -182,7 +188,7 @@ def test_sampled_text_follows_the_target_distribution() -> None:
 
 
 def test_sampling_is_seeded_and_a_perfect_draft_is_kept() -> None:
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     spec = SpeculativeDecoder(
         FastDecoder(model, 1, PROMPT_LEN + N_NEW, max_chunk=5),
         FastDecoder(model, 1, PROMPT_LEN + N_NEW), 4,
@@ -197,7 +203,7 @@ def test_sampling_is_seeded_and_a_perfect_draft_is_kept() -> None:
 def test_the_generation_keeps_the_targets_logits() -> None:
     """Each emitted token's logits are the target's at its position (checked k + 1 rows at a
     time, so equal to one-row steps up to fp32 summation order)."""
-    model = make_model(LLAMA)
+    model = tiny_transformer(LLAMA, init="varied")
     max_len = PROMPT_LEN + N_NEW
     spec = SpeculativeDecoder(
         FastDecoder(model, 1, max_len, max_chunk=4),

@@ -10,7 +10,7 @@ from torch import nn
 
 from kiln.compress import Int8WeightOnly, quantize_
 from kiln.llm.upcast import fp32_linears
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -13,8 +13,8 @@ from kiln.compress.checkpoint import MANIFEST, save_compressed
 from kiln.compress.modules import Int4Linear, Int8Linear
 from kiln.models.load import load_model
 from kiln.models.readers import LoadError
-from tests.helpers import assert_close_to_reference
 from tests.models.families import kiln_greedy, random_model
+from tests.support.compare import assert_close_to_reference
 
 
 def compressed_checkpoint(family: str, folder: Path) -> torch.nn.Module:

@@ -8,9 +8,10 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
+from kiln.compress import Int4WeightOnly, Int8WeightOnly
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
+from tests.support.models import tiny_transformer
 
 # Llama-like: 4 layers, hidden 64, 4 query / 2 kv heads.
 LLAMA = ModelConfig(
@@ -34,23 +35,10 @@ Compression = Int8WeightOnly | Int4WeightOnly | None
 
 
 def build(cfg: ModelConfig, seed: int, compression: Compression = None) -> Transformer:
-    """The same random model on every call (and every rank) for the same arguments."""
-    torch.manual_seed(seed)
-    model = Transformer(cfg)
-    with torch.no_grad():
-        # Embeddings small and projections 3x their default init: the blocks, not the
-        # input token, decide the next token, and greedy decoding does not just repeat.
-        model.embed.weight.mul_(0.05)
-        for name, p in model.layers.named_parameters():  # and non-trivial norms, biases
-            if p.dim() == 2:
-                p.mul_(3.0)
-            elif name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.3 * torch.randn_like(p))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn_like(p))
-    if compression is not None:
-        quantize_(model, compression)
-    return model.eval()
+    """The same random model on every call (and every rank) for the same arguments: the
+    "decisive" init (the blocks, not the input token, decide the next token, and greedy
+    decoding does not just repeat)."""
+    return tiny_transformer(cfg, seed, init="decisive", compression=compression)
 
 
 def factory(

@@ -14,10 +14,10 @@ import torch
 from kiln.compress import Int4WeightOnly, Int8WeightOnly
 from kiln.llm.generate import EagerDecoder, Generation, Sampling, generate
 from kiln.parallel import launch, run_parallel
-from tests.helpers import assert_close_to_reference
 from tests.parallel import models
 from tests.parallel.models import LLAMA, factory, greedy_reference, prompts
 from tests.parallel.ranks import Scenario, run_scenarios
+from tests.support.compare import assert_close_to_reference
 
 NEW = 6
 P2 = prompts(2, 5, 256)

@@ -13,7 +13,7 @@ from kiln.compiler.capture import CaptureResult, capture
 from kiln.compiler.ir.graph import Graph, Node, ValueKind
 from kiln.compiler.ir.semantics import run_graph
 from tests.compiler.capture import models as M
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 Case = Callable[[], tuple[nn.Module, tuple[Tensor, ...]]]
 

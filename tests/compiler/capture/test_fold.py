@@ -8,7 +8,7 @@ from kiln.compiler.capture import capture
 from kiln.compiler.capture.fold import sink_unit_views
 from kiln.compiler.ir.graph import Graph, TensorMeta
 from kiln.compiler.ir.semantics import run_graph
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 F32 = torch.float32
 

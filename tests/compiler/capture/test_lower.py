@@ -13,7 +13,7 @@ from kiln.compiler.capture.export import to_graph
 from kiln.compiler.capture.passes import optimize
 from kiln.compiler.ir.graph import Graph, ValueKind
 from kiln.compiler.ir.semantics import run_graph
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 
 def raw_graph(model: nn.Module, inputs: tuple[Tensor, ...]) -> Graph:

@@ -15,7 +15,7 @@ from kiln.compiler.capture.passes import (
 )
 from kiln.compiler.ir.graph import Graph, TensorMeta, ValueKind
 from kiln.compiler.ir.semantics import run_graph
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 F32 = torch.float32
 

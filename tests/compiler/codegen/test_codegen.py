@@ -14,7 +14,7 @@ from kiln.compiler.api import compile_graph
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Graph, TensorMeta
 from kiln.compiler.ir.semantics import run_graph
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 F32, BOOL = torch.float32, torch.bool
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from kiln.compiler.api import compile_graph
 from kiln.compiler.ir.graph import Graph, TensorMeta
 from kiln.compiler.ir.semantics import run_graph
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 F32 = torch.float32
 UNARY = ["tanh", "sigmoid", "neg", "relu", "abs", "sin", "erf"]

@@ -29,6 +29,7 @@ from tests.compiler.fusion.orch_graphs import (
     softmax_graph,
     vit_like,
 )
+from tests.support.compare import assert_equal
 
 PROFILE = reference_cpu_profile()
 
@@ -71,7 +72,7 @@ def assert_program_ok(g: Graph, kernels: Sequence[Candidate]) -> None:
     xs = example_inputs(g)
     for got, want in zip(run_program(g, kernels, xs), run_graph(g, xs)):
         # the same ATen calls on the same data: results are bitwise equal
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert_equal(got, want)
 
 
 def brute_force(g: Graph, cands: Sequence[Candidate], cost: Sequence[float]) -> float:
@@ -151,7 +152,7 @@ def test_blp_equals_brute_force_on_arbitrary_kernels(g: Graph, rnd: random.Rando
     assert orch.objective == pytest.approx(brute_force(g, cands, cost), rel=1e-9, abs=1e-6)
     xs = example_inputs(g)
     for got, want in zip(run_program(g, orch.kernels, xs), run_graph(g, xs)):
-        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        assert_equal(got, want)
 
 
 def test_softmax_picks_one_reduction_kernel() -> None:

@@ -3,10 +3,6 @@ layouts, the row-count dispatch and the on-disk build cache of the C++ extension
 
 from __future__ import annotations
 
-import re
-from collections.abc import Sequence
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +11,8 @@ from kiln.core import native
 from kiln.core.cache import cache_dir
 from kiln.kernels.cpu import woq as cw
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
+from tests.support.native import quoted_includes
 
 # Another summation order than F.linear (and INT8's scale applied after the sum): a few
 # float32 ulps of the largest output.
@@ -157,22 +154,6 @@ def test_extension_is_built_once_and_cached_on_disk() -> None:
     so = cache_dir() / "woq" / f"kiln_woq_{cw.extension_key()[:24]}.so"
     assert so.exists()
     assert ext.lanes() == (16 if native.isa() == "avx512" else 8)
-
-
-def quoted_includes(source: Path, dirs: Sequence[Path]) -> set[Path]:
-    """Every file that ``source`` includes with ``#include "..."``, transitively, found as
-    the compiler would: next to the including file, then in ``dirs``."""
-    found: set[Path] = set()
-    todo = [source]
-    while todo:
-        path = todo.pop()
-        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
-            hits = [d / name for d in (path.parent, *dirs) if (d / name).exists()]
-            assert hits, f"{path.name} includes {name}, found nowhere on the include path"
-            if hits[0].resolve() not in found:
-                found.add(hits[0].resolve())
-                todo.append(hits[0])
-    return found
 
 
 def test_cache_key_covers_every_included_header() -> None:

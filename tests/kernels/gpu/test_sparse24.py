@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.sparse import SparseSemiStructuredTensor
 
 from kiln.kernels.gpu.sparse24 import is_sparse24, sparse24_linear, sparse24_supported, to_sparse24
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from tests.helpers import assert_close_to_reference
+from tests.support.compare import assert_close_to_reference
 
 pytest.importorskip("triton")
 from kiln.core.compare import sqnr_db  # noqa: E402

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from kiln.core.compare import compare
@@ -42,3 +43,16 @@ def _compare(actual: Any, expected: Any, tol: float, path: str) -> None:
             _compare(a, e, tol, f"{path}[{i}]")
     else:
         assert actual == expected, f"{path}: {actual!r} != {expected!r}"
+
+
+def assert_equal(actual: Tensor, expected: Tensor) -> None:
+    """Assert ``actual`` is bitwise the reference ``expected`` (same shape, dtype and
+    values), NaN counting as equal to NaN: for the same operations on the same data."""
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != {expected.dtype}"
+    if actual.is_floating_point():
+        nan = expected.isnan()
+        assert torch.equal(actual.isnan(), nan), "NaN at different positions"
+        actual, expected = actual[~nan], expected[~nan]
+    bad = int((actual != expected).sum())
+    assert bad == 0, f"{bad} of {expected.numel()} entries differ"
