@@ -10,8 +10,8 @@ of kiln ("other", e.g. a ``git worktree`` of the previous commit), in one run:
 
 Each measurement runs in its own process with ``PYTHONPATH`` set to the tree under test, the
 trees alternating within each of ``--rounds`` rounds (docs/benchmarks.md); each tree's figure
-is its best round. A tree is probed through the module names of this layout, falling back
-to the names of the layout before ``kiln.bench`` existed (``benchmarks.models``,
+is its best round. A tree is probed through the module names of this layout, or, in a tree
+without ``kiln/bench``, through those of the layout before it (``benchmarks.models``,
 ``benchmarks.contenders.llm_kiln``), so a refactor can be checked against its parent.
 Results: ``results/ab-<device>-<date>.{json,md}``.
 """
@@ -30,19 +30,15 @@ from typing import Any
 from kiln.bench import RESULTS_DIR, system
 
 PROBES = ("demo", "int4")
-# Run inside the tree under test: prints one JSON line. Imports by this layout's names first.
+# Run inside the tree under test (its root is the working directory): prints one JSON line.
 PROBE = r"""
-import importlib, json, statistics, sys, time
+import importlib, json, os, statistics, sys, time
 import torch
 torch.set_num_threads(2)
 
-def first(*names):
-    for name in names:
-        try:
-            return importlib.import_module(name)
-        except ModuleNotFoundError:
-            pass
-    raise ModuleNotFoundError(names)
+def module(new, old):
+    # this layout's module, or the old layout's in a tree without kiln/bench
+    return importlib.import_module(new if os.path.isdir("kiln/bench") else old)
 
 def median_ms(fn, reps):
     for _ in range(5):
@@ -55,7 +51,7 @@ def median_ms(fn, reps):
 what, reps = sys.argv[1], int(sys.argv[2])
 if what == "demo":
     import kiln
-    suite = first("kiln.bench.suite", "benchmarks.models")
+    suite = module("kiln.bench.suite", "benchmarks.models")
     bm = suite.get(suite.DEFAULT_MODEL)
     model, inputs = bm.build()
     fast = kiln.compile(model, inputs)
@@ -65,7 +61,7 @@ if what == "demo":
     print(json.dumps({"model": suite.DEFAULT_MODEL, "eager_ms": eager_ms, "kiln_ms": kiln_ms,
                       "value": eager_ms / kiln_ms, "unit": "x over eager"}))
 else:
-    llm = first("kiln.bench.contenders.llm_kiln", "benchmarks.contenders.llm_kiln")
+    llm = module("kiln.bench.contenders.llm_kiln", "benchmarks.contenders.llm_kiln")
     dec = llm.KilnDecode("int4")
     dec.prepare([1], 128)
     prompt = list(range(100, 121))  # 21 tokens, as the decode benchmark's prompt length
