@@ -1,4 +1,4 @@
-"""The side-by-side runner (protocol: /work/shared/BENCHMARKS.md, "Timing protocol").
+"""The side-by-side runner (protocol: docs/benchmarks.md, "Timing protocol").
 
 For each model, one worker process per contender (``python -m kiln.bench.suite_worker``)
 is started and prepared in turn (so each compile time is cold and uncontended);

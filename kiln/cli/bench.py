@@ -18,7 +18,7 @@ def bench(
         bool, typer.Option("--list", help="list the suite models and exit")
     ] = False,
 ) -> None:
-    """Run the small-model suite side by side (BENCHMARKS.md protocol) and write
+    """Run the small-model suite side by side (docs/benchmarks.md protocol) and write
     results/<device>-<date>.json plus the markdown table."""
     from kiln.bench.__main__ import main as bench_main
 

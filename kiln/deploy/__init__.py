@@ -1,1 +1,10 @@
-"""Deployment: turning a checkpoint into a running (or shipped) model: ``compress_job`` compresses one to an accuracy budget and saves it, ``generate_job`` runs a generation request on one process or on tensor/pipeline-parallel ranks; may import every part below the CLI except ``kiln.bench``."""
+"""Deployment: turning a checkpoint into a running (or shipped) model; may import every part below the CLI except ``kiln.bench``.
+
+- ``compress_job``: compress a checkpoint to an accuracy budget and save it.
+- ``generate_job``: run a generation request on one process or on tensor/pipeline-parallel
+  ranks (``GenerateRequest`` -> ``GenerateResult``).
+- ``parse``: the user-facing value formats (budgets such as "1%", objectives, option lists,
+  layer splits), each with a clear error.
+- ``multinode``: the torchrun line for ranks on several machines.
+- ``bandwidth``: the weight-streaming figures a generation result is reported with.
+"""

@@ -14,7 +14,7 @@ from kiln.quality.perplexity import perplexity
 from tests.quality.conftest import requires_corpus, requires_smollm2
 
 # Measured with kiln.quality.perplexity (fp32, context 512, stride 256): 19.57 on the first
-# 4,096 tokens; 20,000 tokens give 22.2 (BENCHMARKS.md). The range leaves room for other
+# 4,096 tokens; 20,000 tokens give 22.2 (docs/benchmarks.md). The range leaves room for other
 # BLAS/attention kernels and is far below what a broken model gives (random weights: ~53,000).
 PPL_4096 = 19.57
 

@@ -16,7 +16,7 @@ MODELS: dict[str, BenchModel] = {
     for m in family.MODELS
 }
 
-# The model the demo and quick checks use: the SwiGLU tower of BENCHMARKS.md.
+# The model the demo and quick checks use: the SwiGLU tower of docs/benchmarks.md.
 DEFAULT_MODEL = "swiglu_tower"
 
 

@@ -1,4 +1,4 @@
-"""The SwiGLU tower from BENCHMARKS.md: x (8, 320), 4 blocks 320 -> 864 -> 320."""
+"""The SwiGLU tower from docs/benchmarks.md: x (8, 320), 4 blocks 320 -> 864 -> 320."""
 
 from __future__ import annotations
 
