@@ -7,4 +7,8 @@
   layer splits), each with a clear error.
 - ``multinode``: the torchrun line for ranks on several machines.
 - ``bandwidth``: the weight-streaming figures a generation result is reported with.
+- The planner (``kiln plan``): ``architecture`` (a model's shape from a checkpoint or a
+  config file), ``hardware`` (the device catalog and spec strings), ``estimate`` (memory and
+  time of one layout), ``planner`` (the joint search, explanations, relaxations),
+  ``plan_schema`` (the versioned plan document), ``plan_job`` (what the CLI calls).
 """

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from kiln.compress.allocate import Objective
 from kiln.compress.configs import CompressionConfig, parse_config
 from kiln.compress.workflow import DEFAULT_OPTIONS
+from kiln.deploy.planner import Objective as PlanObjective
 
 OBJECTIVES: dict[str, Objective] = {"size": "bytes", "latency": "latency"}
 
@@ -53,3 +54,10 @@ def layer_split(text: str) -> tuple[int, ...] | None:
         return tuple(int(n) for n in text.split(","))
     except ValueError:
         raise ValueError(f"--split takes layer counts, e.g. 16,14; got {text!r}") from None
+
+
+def plan_objective(name: str) -> PlanObjective:
+    """What the planner optimises: 'cost' (per 1M tokens), 'latency' or 'throughput'."""
+    if name not in ("cost", "latency", "throughput"):
+        raise ValueError(f"--objective must be cost, latency or throughput, got {name!r}")
+    return name  # type: ignore[return-value]

@@ -1,0 +1,88 @@
+"""kiln plan: the cheapest deployment that meets an accuracy budget, a latency target and a
+hardware budget, predicted and explained."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from kiln.cli._console import console, refused
+
+
+def plan(
+    model: Annotated[str, typer.Argument(help="a checkpoint (as kiln generate takes) or a config.json-style file")],
+    hardware: Annotated[str, typer.Option(help="e.g. 4xRTX3090, 8xA100-40GB,host=256GB,nvme=3GB/s, cpu, or a JSON file")] = "cpu",
+    max_ppl_increase: Annotated[str, typer.Option(help="largest perplexity increase, e.g. 1%")] = "",
+    max_ms_per_token: Annotated[float | None, typer.Option(help="decode latency target")] = None,
+    max_ttft_ms: Annotated[float | None, typer.Option(help="time-to-first-token target")] = None,
+    batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    prompt_len: Annotated[int, typer.Option(help="prompt tokens")] = 512,
+    gen_len: Annotated[int, typer.Option(help="generated tokens")] = 128,
+    objective: Annotated[str, typer.Option(help="cost | latency | throughput")] = "cost",
+    formats: Annotated[str, typer.Option(help="weight formats to consider")] = "fp16,int8,int4-g128",
+    no_offload: Annotated[bool, typer.Option("--no-offload", help="never offload weights")] = False,
+    out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
+) -> None:  # fmt: skip
+    """Plan how to serve MODEL on HARDWARE: weight format, number of devices, tensor- and
+    pipeline-parallel degrees and weight offloading, chosen for the objective among every
+    layout that meets the constraints. Every figure is predicted by kiln's cost model;
+    accuracy per format is a stated prior, not a measurement.
+
+    An infeasible request prints the closest plan, each constraint it misses and by how
+    much, and the single changes that would make it feasible."""
+    from kiln.deploy import parse
+    from kiln.deploy.plan_job import plan_deployment
+    from kiln.deploy.planner import Request
+
+    with refused():
+        request = Request(
+            batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+            max_ppl_increase=parse.fraction(max_ppl_increase) if max_ppl_increase else None,
+            max_ms_per_token=max_ms_per_token, max_ttft_ms=max_ttft_ms,
+            objective=parse.plan_objective(objective),
+            formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
+            allow_offload=not no_offload,
+        )  # fmt: skip
+        result = plan_deployment(model, hardware, request, out or None)
+    doc = result.document
+    if as_json:
+        print(json.dumps(doc, indent=1))
+        return
+    _render(doc)
+    if result.written is not None:
+        console.print(f"[dim]plan written to {result.written}[/dim]")
+    if not doc["feasible"]:
+        raise typer.Exit(1)
+
+
+def _render(doc: dict) -> None:
+    lay, pred, comp = doc["layout"], doc["predicted"], doc["compression"]
+    verdict = "[green]feasible[/green]" if doc["feasible"] else "[red]infeasible[/red]"
+    console.print(f"{doc['model']} on {doc['hardware']}: {verdict} (all figures predicted)")
+    table = Table("", "plan")
+    off = lay["offload"]
+    table.add_row("layout", f"{lay['devices']} x {lay['device_type']}, tp {lay['tp']}, pp {lay['pp']} "
+                  f"(layers per stage {lay['stage_layers']}), offload {off}")  # fmt: skip
+    table.add_row("weights", f"{comp['format']}: {comp['weight_bytes'] / 1e9:.1f} GB, "
+                  f"{comp['bits_per_weight']:.2f} bits per parameter")  # fmt: skip
+    table.add_row("speed", f"{pred['ms_per_token']:.1f} ms/token, {pred['tokens_per_s']:.1f} tokens/s, "
+                  f"time to first token {pred['ttft_ms']:.0f} ms")  # fmt: skip
+    table.add_row("memory", f"peak {pred['peak_device_bytes'] / 1e9:.1f} GB per device, "
+                  f"{pred['peak_host_bytes'] / 1e9:.1f} GB host")  # fmt: skip
+    table.add_row(
+        "accuracy", f"+{pred['ppl_increase']:.1%} perplexity ({pred['ppl_increase_source']})"
+    )
+    table.add_row("cost", f"${doc['cost_per_1m_tokens_usd']:.2f} per 1M tokens")
+    console.print(table)
+    for v in doc["violations"]:
+        console.print(
+            f"[red]misses[/red] {v['constraint']}: needs {v['needed']:.4g}, limit {v['limit']:.4g}"
+        )
+    for r in doc["relaxations"]:
+        console.print(f"[yellow]would fit with[/yellow] {r['change']}: {r['plan']}")
+    for r in doc["runners_up"]:
+        console.print(f"[dim]runner-up {r['plan']}: {r['why_lost']}[/dim]")

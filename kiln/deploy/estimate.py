@@ -1,0 +1,268 @@
+"""What one deployment layout costs: memory per device and host, and time per token.
+
+A ``Layout`` fixes everything the planner chooses: the weight format, the devices, tensor-
+and pipeline-parallel degrees, where the weights that do not fit go (host memory or disk,
+streamed back every token), batch and context. ``estimate`` turns a layout, an
+``Architecture`` and a ``Hardware`` into an ``Estimate``.
+
+Memory is bounded from above, never below: weights at their stored size, the KV cache for
+the whole batch at the full context (grouped-query heads and sliding windows counted, kv
+heads replicated when fewer than the tensor-parallel degree), the largest prefill
+activations, a dequantization workspace for packed formats, a fixed runtime reserve per
+device and a fragmentation margin. Time is a roofline per layer (the larger of bytes over
+bandwidth and FLOPs over peak, each at a stated efficiency), plus two all-reduces per layer
+under tensor parallelism, stage-to-stage transfers under pipeline parallelism, and the
+transfer of offloaded weights, overlapped with compute.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from kiln.deploy.architecture import Architecture
+from kiln.deploy.hardware import Hardware
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """How the linear layers of the blocks are stored (embeddings and norms stay 16-bit).
+
+    bits          stored bits per weight, scales and offsets included
+    compute       the dtype the matmuls run in (weight-only formats dequantize to it)
+    packed        whether a kernel dequantizes in the loop (needs a small workspace)
+    """
+
+    name: str
+    bits: float
+    compute: str
+    packed: bool
+
+
+FORMATS: dict[str, WeightFormat] = {
+    "fp32": WeightFormat("fp32", 32.0, "fp32", False),
+    "fp16": WeightFormat("fp16", 16.0, "fp16", False),
+    "bf16": WeightFormat("bf16", 16.0, "bf16", False),
+    # per output channel: one fp32 scale per row of K weights (K >= 512 here: < 0.07 bit)
+    "int8": WeightFormat("int8", 8.0 + 32.0 / 512, "fp16", True),
+    # groups of g along K with an fp16 scale and offset each
+    "int4-g128": WeightFormat("int4-g128", 4.0 + 32.0 / 128, "fp16", True),
+    "int4-g64": WeightFormat("int4-g64", 4.0 + 32.0 / 64, "fp16", True),
+    "int4-g32": WeightFormat("int4-g32", 4.0 + 32.0 / 32, "fp16", True),
+}
+
+# Stated efficiencies of the roofline (fractions of the datasheet peak that kernels reach).
+BANDWIDTH_EFFICIENCY = {"gpu": 0.80, "cpu": 0.80}  # streaming weight reads (GEMV)
+COMPUTE_EFFICIENCY = {"gpu": 0.60, "cpu": 0.50}  # large GEMMs (prefill)
+RUNTIME_RESERVE = {"gpu": 1.0 * 2**30, "cpu": 0.3 * 2**30}  # CUDA context / interpreter + libs
+FRAGMENTATION = 0.05  # allocator slack on everything allocated at run time
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One candidate deployment."""
+
+    fmt: WeightFormat
+    devices: int
+    tp: int
+    pp: int
+    batch: int
+    prompt_len: int
+    gen_len: int
+    offload: str = "none"  # "none" | "host" | "disk": where weights that do not fit go
+    act_bytes: int = 2  # activations and KV cache element size (fp16 / bf16)
+
+    @property
+    def context(self) -> int:
+        return self.prompt_len + self.gen_len
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted figures of one layout (bytes, milliseconds)."""
+
+    layout: Layout
+    weight_bytes: int  # all weights at their stored size
+    device_weight_bytes: int  # on the busiest device
+    offloaded_bytes: int  # per device, streamed from host / disk each token
+    kv_bytes: int  # per device
+    activation_bytes: int  # per device, prefill peak
+    peak_device_bytes: int
+    peak_host_bytes: int
+    ms_per_token: float
+    ttft_ms: float
+    device_memory_bytes: int  # what one device has
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.layout.batch * 1e3 / self.ms_per_token
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage, as even as possible (earlier stages take the remainder)."""
+    base, extra = divmod(n_layers, pp)
+    return [base + (1 if s < extra else 0) for s in range(pp)]
+
+
+def estimate(arch: Architecture, hw: Hardware, layout: Layout) -> Estimate:
+    """Memory and time of ``layout`` for ``arch`` on ``hw`` (see the module docstring)."""
+    dev, kind = hw.device, hw.device.kind
+    tp, pp, b = layout.tp, layout.pp, layout.batch
+    fmt = layout.fmt
+    layer_w = _layer_weight_bytes(arch, fmt)  # one block, all ranks together
+    embed_w = arch.embedding_params * 2
+    head_w = arch.head_params * 2
+    stages = stage_layers(arch.n_layers, pp)
+    # the busiest stage: the largest layer count, plus the embedding (first) or head (last)
+    stage_w = [n * layer_w / tp for n in stages]
+    stage_w[0] += embed_w / tp
+    stage_w[-1] += (head_w if head_w else (embed_w if pp > 1 else 0)) / tp
+    device_w = int(max(stage_w))
+    kv_heads = max(1, math.ceil(arch.n_kv_heads / tp))  # replicated when fewer than tp
+    kv_per_layer = [
+        b * arch.kv_positions(layer, layout.context) * 2 * kv_heads * arch.head_dim
+        for layer in range(arch.n_layers)
+    ]
+    kv_device = int(max(_stage_sums(kv_per_layer, stages)) * layout.act_bytes)
+    act = _activation_bytes(arch, layout, tp)
+    workspace = _largest_linear(arch) * 2 / tp if fmt.packed else 0
+    fixed = RUNTIME_RESERVE[kind]
+    capacity = dev.memory_bytes
+    dynamic = (kv_device + act + workspace) * (1 + FRAGMENTATION)
+    resident_budget = (capacity - fixed - dynamic) / (1 + FRAGMENTATION)
+    offloaded = 0
+    if layout.offload != "none":
+        offloaded = int(max(0.0, device_w - max(resident_budget, 0.0)))
+    resident = device_w - offloaded
+    peak_device = int(fixed + resident * (1 + FRAGMENTATION) + dynamic)
+    total_w = int(arch.n_layers * layer_w + embed_w + head_w)
+    peak_host = _host_bytes(hw, layout, offloaded, device_w)
+    ms = _decode_ms(arch, hw, layout, layer_w, stages, kv_per_layer, offloaded)
+    ttft = _prefill_ms(arch, hw, layout, total_w)
+    return Estimate(
+        layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
+        ms, ttft, capacity,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------ memory parts
+def _layer_weight_bytes(arch: Architecture, fmt: WeightFormat) -> float:
+    linear = sum(lin.out_features * lin.in_features for lin in arch.layer_linears)
+    rest = arch.params_per_layer - linear  # biases and norms stay 16-bit
+    return linear * fmt.bits / 8 + rest * 2
+
+
+def _largest_linear(arch: Architecture) -> int:
+    return max(lin.out_features * lin.in_features for lin in arch.layer_linears)
+
+
+def _stage_sums(per_layer: list[int], stages: list[int]) -> list[int]:
+    sums, i = [], 0
+    for n in stages:
+        sums.append(sum(per_layer[i : i + n]))
+        i += n
+    return sums
+
+
+def _activation_bytes(arch: Architecture, layout: Layout, tp: int) -> float:
+    """Prefill peak of one layer's live activations on one device: the residual stream and
+    norm output, q/k/v, attention scores (materialised, an upper bound for fused kernels),
+    the MLP's inner activations, and fp32 logits of the last position."""
+    b, t, e = layout.batch, layout.prompt_len, layout.act_bytes
+    hidden = 3 * b * t * arch.hidden_size * e
+    qkv = b * t * (arch.n_heads + 2 * arch.n_kv_heads) * arch.head_dim * e / tp
+    scores = b * math.ceil(arch.n_heads / tp) * t * t * 4  # fp32 softmax
+    mlp = 3 * b * t * arch.intermediate_size * e / tp
+    logits = b * arch.vocab_size * 4 / tp
+    return hidden + qkv + scores + mlp + logits
+
+
+def _host_bytes(hw: Hardware, layout: Layout, offloaded: int, device_w: int) -> int:
+    """Host memory: the runtime, the offloaded weights kept in RAM (host offload), and, at
+    load, one tensor-sized staging buffer per device (weights stream from the checkpoint
+    file to their device one tensor at a time)."""
+    reserve = RUNTIME_RESERVE["cpu"]
+    kept = offloaded * layout.devices if layout.offload == "host" else 0
+    staging = min(device_w, 2 * 2**30) * layout.devices
+    if hw.device.kind == "cpu":  # the devices are the host: weights and caches live in RAM
+        return int(reserve + staging)
+    return int(reserve + kept + staging)
+
+
+# ------------------------------------------------------------------ time parts
+def _decode_ms(
+    arch: Architecture,
+    hw: Hardware,
+    layout: Layout,
+    layer_w: float,
+    stages: list[int],
+    kv_per_layer: list[int],
+    offloaded: int,
+) -> float:
+    dev, kind = hw.device, hw.device.kind
+    tp, b = layout.tp, layout.batch
+    bw = dev.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY[kind]
+    peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind]
+    flops_layer = (
+        2 * b * (arch.params_per_layer + 2 * arch.head_dim * arch.n_heads * layout.context)
+    )
+    ms = 0.0
+    layer = 0
+    for n in stages:
+        for _ in range(n):
+            read = layer_w / tp + kv_per_layer[layer] * layout.act_bytes / tp
+            ms += max(read / bw, flops_layer / tp / peak) * 1e3
+            ms += 2 * _allreduce_ms(hw, b * arch.hidden_size * layout.act_bytes, tp)
+            layer += 1
+    head = (arch.head_params or arch.embedding_params) * 2 / tp
+    ms += head / bw * 1e3 + _allreduce_ms(hw, b * arch.vocab_size * 4, tp)
+    ms += (layout.pp - 1) * _p2p_ms(hw, b * arch.hidden_size * layout.act_bytes)
+    if offloaded:  # streamed every token, overlapped with the rest of the step
+        link = hw.host_link.bandwidth_gbs if layout.offload == "host" else hw.disk_read_gbs
+        ms = max(ms, offloaded * layout.pp / (link * 1e9) * 1e3)
+    return ms
+
+
+def _prefill_ms(arch: Architecture, hw: Hardware, layout: Layout, total_w: int) -> float:
+    kind = hw.device.kind
+    tokens = layout.batch * layout.prompt_len
+    flops = 2 * tokens * arch.total_params + 2 * arch.n_layers * layout.batch * (
+        2 * arch.n_heads * arch.head_dim * layout.prompt_len**2
+    )
+    peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind] * layout.tp
+    read = (
+        total_w
+        / layout.pp
+        / layout.tp
+        / (hw.device.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY[kind])
+    )
+    compute = flops / layout.pp / peak
+    ms = (max(compute, read) * layout.pp) * 1e3  # stages run one after another for one prompt
+    ms += (
+        2
+        * arch.n_layers
+        * _allreduce_ms(hw, tokens * arch.hidden_size * layout.act_bytes, layout.tp)
+    )
+    ms += (layout.pp - 1) * _p2p_ms(hw, tokens * arch.hidden_size * layout.act_bytes)
+    return ms
+
+
+def _peak_flops(hw: Hardware, dtype: str) -> float:
+    rates = hw.device.tflops
+    for key in (dtype, "fp16", "bf16", "fp32"):
+        if rates.get(key):
+            return rates[key] * 1e12
+    raise ValueError(f"{hw.device.name} lists no FLOP rate")
+
+
+def _allreduce_ms(hw: Hardware, nbytes: float, tp: int) -> float:
+    """Ring all-reduce: 2 (tp - 1) messages, each moving nbytes / tp over the link."""
+    if tp == 1:
+        return 0.0
+    link = hw.link
+    return 2 * (tp - 1) * (link.latency_us * 1e-3 + nbytes / tp / (link.bandwidth_gbs * 1e9) * 1e3)
+
+
+def _p2p_ms(hw: Hardware, nbytes: float) -> float:
+    link = hw.link
+    return link.latency_us * 1e-3 + nbytes / (link.bandwidth_gbs * 1e9) * 1e3
