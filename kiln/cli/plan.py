@@ -26,6 +26,7 @@ def plan(
     no_offload: Annotated[bool, typer.Option("--no-offload", help="never offload weights")] = False,
     out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans)")] = False,
 ) -> None:  # fmt: skip
     """Plan how to serve MODEL on HARDWARE: weight format, number of devices, tensor- and
     pipeline-parallel degrees and weight offloading, chosen for the objective among every
@@ -33,7 +34,9 @@ def plan(
     accuracy per format is a stated prior, not a measurement.
 
     An infeasible request prints the closest plan, each constraint it misses and by how
-    much, and the single changes that would make it feasible."""
+    much, and the single changes that would make it feasible. With --verify a CPU plan is
+    executed in a fresh process and its measured figures are printed beside the predicted
+    ones."""
     from kiln.deploy import parse
     from kiln.deploy.plan_job import plan_deployment
     from kiln.deploy.planner import Request
@@ -49,10 +52,23 @@ def plan(
         )  # fmt: skip
         result = plan_deployment(model, hardware, request, out or None)
     doc = result.document
+    checked = None
+    if verify and doc["feasible"]:
+        from kiln.deploy.plan_job import verify as verify_plan
+
+        with console.status("executing the plan"), refused():
+            checked = verify_plan(result, model)
     if as_json:
-        print(json.dumps(doc, indent=1))
+        print(json.dumps({**doc, "verified": checked} if checked else doc, indent=1))
         return
     _render(doc)
+    if checked:
+        table = Table("figure", "predicted", "measured", "error")
+        for name, row in checked.items():
+            table.add_row(
+                name, f"{row['predicted']:.4g}", f"{row['measured']:.4g}", f"{row['error']:+.1%}"
+            )
+        console.print(table)
     if result.written is not None:
         console.print(f"[dim]plan written to {result.written}[/dim]")
     if not doc["feasible"]:

@@ -54,7 +54,7 @@ FORMATS: dict[str, WeightFormat] = {
 # Stated efficiencies of the roofline (fractions of the datasheet peak that kernels reach).
 BANDWIDTH_EFFICIENCY = {"gpu": 0.80, "cpu": 0.80}  # streaming weight reads (GEMV)
 COMPUTE_EFFICIENCY = {"gpu": 0.60, "cpu": 0.50}  # large GEMMs (prefill)
-RUNTIME_RESERVE = {"gpu": 1.0 * 2**30, "cpu": 0.3 * 2**30}  # CUDA context / interpreter + libs
+RUNTIME_RESERVE = {"gpu": 1.0 * 2**30, "cpu": 0.45 * 2**30}  # CUDA context / interpreter + libs
 FRAGMENTATION = 0.05  # allocator slack on everything allocated at run time
 
 
@@ -104,8 +104,13 @@ def stage_layers(n_layers: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def estimate(arch: Architecture, hw: Hardware, layout: Layout) -> Estimate:
-    """Memory and time of ``layout`` for ``arch`` on ``hw`` (see the module docstring)."""
+def estimate(
+    arch: Architecture, hw: Hardware, layout: Layout, checkpoint_bytes: int = 0
+) -> Estimate:
+    """Memory and time of ``layout`` for ``arch`` on ``hw`` (see the module docstring).
+
+    ``checkpoint_bytes``: the size of the checkpoint file(s) the loader maps (their pages
+    count as resident while they are read)."""
     dev, kind = hw.device, hw.device.kind
     tp, pp, b = layout.tp, layout.pp, layout.batch
     fmt = layout.fmt
@@ -134,8 +139,11 @@ def estimate(arch: Architecture, hw: Hardware, layout: Layout) -> Estimate:
     if layout.offload != "none":
         offloaded = int(max(0.0, device_w - max(resident_budget, 0.0)))
     resident = device_w - offloaded
-    peak_device = int(fixed + resident * (1 + FRAGMENTATION) + dynamic)
     total_w = int(arch.n_layers * layer_w + embed_w + head_w)
+    run_peak = resident * (1 + FRAGMENTATION) + dynamic
+    if kind == "cpu":  # the process is the device: its load-time peak counts too
+        run_peak = max(run_peak, _cpu_load_peak(arch, total_w, checkpoint_bytes))
+    peak_device = int(fixed + run_peak)
     peak_host = _host_bytes(hw, layout, offloaded, device_w)
     ms = _decode_ms(arch, hw, layout, layer_w, stages, kv_per_layer, offloaded)
     ttft = _prefill_ms(arch, hw, layout, total_w)
@@ -175,6 +183,13 @@ def _activation_bytes(arch: Architecture, layout: Layout, tp: int) -> float:
     mlp = 3 * b * t * arch.intermediate_size * e / tp
     logits = b * arch.vocab_size * 4 / tp
     return hidden + qkv + scores + mlp + logits
+
+
+def _cpu_load_peak(arch: Architecture, stored: int, checkpoint_bytes: int) -> float:
+    """kiln's loader builds the model with float32 weights (a packed checkpoint is
+    dequantized), then converts them into the stored format (or, for the fast step, copies
+    them into huge pages): both copies are resident at once, with the mapped checkpoint."""
+    return arch.total_params * 4 + stored + checkpoint_bytes
 
 
 def _host_bytes(hw: Hardware, layout: Layout, offloaded: int, device_w: int) -> int:

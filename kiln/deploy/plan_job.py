@@ -29,10 +29,51 @@ def plan_deployment(
     file) for ``request``; with ``out``, write the plan document there."""
     arch = read_architecture(model)
     hw = parse_hardware(hardware)
-    result = plan(arch, hw, request)
+    result = plan(arch, hw, request, checkpoint_bytes=checkpoint_bytes(model))
     doc = check_plan(plan_to_dict(result, model))
     path = None
     if out:
         path = Path(out)
         path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return PlanResult(result, doc, path)
+
+
+def checkpoint_bytes(model: str) -> int:
+    """Bytes of the checkpoint file(s) kiln's loader maps for ``model`` (0 for a config-only
+    model: nothing is loaded)."""
+    from kiln.models.load import CATALOG
+
+    path = Path(model)
+    if not path.exists() and model in CATALOG:
+        from kiln.models import catalog
+
+        path = Path(catalog.smollm2_gguf_path())
+    if path.is_file():
+        return 0 if path.suffix == ".json" else path.stat().st_size
+    if path.is_dir():
+        return sum(
+            f.stat().st_size
+            for f in path.iterdir()
+            if f.suffix in (".safetensors", ".bin", ".gguf")
+        )
+    return 0
+
+
+def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
+    """Execute the chosen plan here (a CPU plan, one process) and put the measured figures
+    beside the predicted ones: {figure: {"predicted", "measured", "error"}}."""
+    from kiln.deploy.execute import measure
+
+    doc = result.document
+    if result.plan.best.hardware.device.kind != "cpu":
+        raise ValueError("--verify executes plans for this machine (--hardware cpu); a GPU "
+                         "plan's figures stay predictions")  # fmt: skip
+    req = result.plan.request
+    got = measure(model, doc["layout"], doc["compression"]["format"], req.prompt_len, req.gen_len)
+    pred = doc["predicted"]
+    pairs = {
+        "ms_per_token": (pred["ms_per_token"], got.ms_per_token),
+        "ttft_ms": (pred["ttft_ms"], got.ttft_ms),
+        "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_rss_bytes)),
+    }
+    return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}

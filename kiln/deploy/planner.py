@@ -127,26 +127,26 @@ def layouts(arch: Architecture, hw: Hardware, request: Request) -> list[Layout]:
             if n % tp or tp > arch.n_heads or n // tp > arch.n_layers:
                 continue
             for name in request.formats:
+                act = activation_bytes(hw, name)
                 for off in offloads:
-                    out.append(
-                        Layout(
-                            FORMATS[name],
-                            n,
-                            tp,
-                            n // tp,
-                            request.batch,
-                            request.prompt_len,
-                            request.gen_len,
-                            off,
-                        )  # fmt: skip
-                    )
+                    lay = Layout(FORMATS[name], n, tp, n // tp, request.batch,
+                                 request.prompt_len, request.gen_len, off, act)  # fmt: skip
+                    out.append(lay)
     return out
 
 
-def evaluate(arch: Architecture, hw: Hardware, layout: Layout, request: Request) -> Candidate:
+def activation_bytes(hw: Hardware, fmt: str) -> int:
+    """Element size of activations and KV cache: kiln's CPU step keeps them in fp32 (bf16
+    for bf16 weights); GPUs run them in 16 bits."""
+    return 4 if hw.device.kind == "cpu" and fmt not in ("bf16", "fp16") else 2
+
+
+def evaluate(
+    arch: Architecture, hw: Hardware, layout: Layout, request: Request, checkpoint_bytes: int = 0
+) -> Candidate:
     """Estimate ``layout`` and list the constraints it misses."""
     used = hw.with_count(layout.devices)
-    est = estimate(arch, used, layout)
+    est = estimate(arch, used, layout, checkpoint_bytes)
     ppl = PRIORS.get(layout.fmt.name, float("nan"))
     misses = []
     if est.peak_device_bytes > est.device_memory_bytes:
@@ -164,9 +164,19 @@ def evaluate(arch: Architecture, hw: Hardware, layout: Layout, request: Request)
     return Candidate(est, used, ppl, tuple(misses))
 
 
-def plan(arch: Architecture, hw: Hardware, request: Request, *, relax: bool = True) -> Plan:
-    """The best candidate for ``request`` on up to ``hw.count`` devices (see module doc)."""
-    cands = [evaluate(arch, hw, lay, request) for lay in layouts(arch, hw, request)]
+def plan(
+    arch: Architecture,
+    hw: Hardware,
+    request: Request,
+    *,
+    relax: bool = True,
+    checkpoint_bytes: int = 0,
+) -> Plan:
+    """The best candidate for ``request`` on up to ``hw.count`` devices (see module doc);
+    ``checkpoint_bytes``: the checkpoint files a CPU plan's loader maps."""
+    cands = [
+        evaluate(arch, hw, lay, request, checkpoint_bytes) for lay in layouts(arch, hw, request)
+    ]
     # an offload layout that offloads nothing is its "none" twin: keep one of the two
     cands = [c for c in cands if c.estimate.layout.offload == "none" or c.estimate.offloaded_bytes]
     if not cands:

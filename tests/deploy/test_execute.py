@@ -1,0 +1,50 @@
+"""Executing a plan on this CPU: the measured figures ``kiln plan --verify`` compares with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kiln.deploy.architecture import read_architecture
+from kiln.deploy.estimate import FORMATS, Layout
+from kiln.deploy.execute import measure, run_layout
+from kiln.deploy.hardware import parse_hardware
+from kiln.deploy.plan_job import checkpoint_bytes
+from kiln.deploy.planner import Request, activation_bytes, evaluate
+from tests.models.families import write_checkpoint
+
+LAYOUT = {"tp": 1, "pp": 1, "batch": 2, "offload": "none"}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_checkpoint("llama", tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "int4-g32"])
+def test_every_cpu_format_runs(checkpoint: Path, fmt: str) -> None:
+    got = run_layout(str(checkpoint), LAYOUT, fmt, prompt_len=6, gen_len=5)
+    assert got["ms_per_token"] > 0 and got["ttft_ms"] > 0
+    assert got["tokens_per_s"] == pytest.approx(2 * 1e3 / got["ms_per_token"])
+
+
+def test_offloaded_plan_streams_from_disk(checkpoint: Path) -> None:
+    got = run_layout(str(checkpoint), {**LAYOUT, "offload": "disk"}, "fp32", 6, 5)
+    assert "disk" in got["engine"]
+
+
+def test_parallel_plans_are_refused_for_now(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="single-process"):
+        run_layout(str(checkpoint), {**LAYOUT, "tp": 2}, "fp32", 6, 5)
+
+
+def test_measured_peak_memory_is_within_the_prediction(checkpoint: Path) -> None:
+    """The predicted peak bounds the measured RSS of the executing process from above."""
+    arch, hw = read_architecture(str(checkpoint)), parse_hardware("cpu")
+    lay = Layout(FORMATS["fp32"], 1, 1, 1, 2, 6, 5, "none", activation_bytes(hw, "fp32"))
+    est = evaluate(arch, hw, lay, Request(batch=2, prompt_len=6, gen_len=5),
+                   checkpoint_bytes(str(checkpoint))).estimate  # fmt: skip
+    got = measure(str(checkpoint), LAYOUT, "fp32", 6, 5)
+    assert got.peak_rss_bytes > 100e6  # torch alone is resident: the figure is real
+    assert est.peak_device_bytes >= 0.95 * got.peak_rss_bytes
