@@ -19,7 +19,7 @@ from kiln.deploy.architecture import read_architecture
 from kiln.deploy.estimate import FORMATS, Layout
 from kiln.deploy.execute import measure
 from kiln.deploy.hardware import parse_hardware
-from kiln.deploy.plan_job import checkpoint_bytes
+from kiln.deploy.plan_job import measurements
 from kiln.deploy.planner import Request, activation_bytes, evaluate
 
 PLANS = [  # (format, batch, offload)
@@ -31,13 +31,13 @@ PLANS = [  # (format, batch, offload)
 
 def run(model: str, prompt_len: int, gen_len: int) -> dict[str, Any]:
     arch, hw = read_architecture(model), parse_hardware("cpu")
-    ckpt = checkpoint_bytes(model)
+    known = measurements(model, hw)
     rows = []
     for fmt, batch, offload in PLANS:
         lay = Layout(FORMATS[fmt], 1, 1, 1, batch, prompt_len, gen_len, offload,
                      activation_bytes(hw, fmt))  # fmt: skip
         est = evaluate(arch, hw, lay, Request(batch=batch, prompt_len=prompt_len,
-                                              gen_len=gen_len), ckpt).estimate  # fmt: skip
+                                              gen_len=gen_len), known).estimate  # fmt: skip
         got = measure(model, {"tp": 1, "pp": 1, "batch": batch, "offload": offload}, fmt,
                       prompt_len, gen_len)  # fmt: skip
         row: dict[str, Any] = {

@@ -18,10 +18,12 @@ transfer of offloaded weights, overlapped with compute.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
+from kiln.deploy.kernel_rates import rate_at
 
 
 @dataclass(frozen=True)
@@ -104,19 +106,37 @@ def stage_layers(n_layers: int, pp: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
-def estimate(
-    arch: Architecture, hw: Hardware, layout: Layout, checkpoint_bytes: int = 0
-) -> Estimate:
-    """Memory and time of ``layout`` for ``arch`` on ``hw`` (see the module docstring).
+@dataclass(frozen=True)
+class Measurements:
+    """What kiln knows of this model and machine beyond their datasheets.
 
-    ``checkpoint_bytes``: the size of the checkpoint file(s) the loader maps (their pages
-    count as resident while they are read)."""
+    checkpoint_bytes  the checkpoint file(s) the loader maps (resident while read)
+    rates             GB/s of weight bytes kiln's decode step streams per format and batch
+                      rows on this CPU (``kernel_rates``), replacing the roofline's guess
+    """
+
+    checkpoint_bytes: int = 0
+    rates: Mapping[str, Mapping[int, float]] | None = None
+
+
+NOTHING_MEASURED = Measurements()
+
+
+def estimate(
+    arch: Architecture, hw: Hardware, layout: Layout, known: Measurements = NOTHING_MEASURED
+) -> Estimate:
+    """Memory and time of ``layout`` for ``arch`` on ``hw`` (see the module docstring)."""
     dev, kind = hw.device, hw.device.kind
     tp, pp, b = layout.tp, layout.pp, layout.batch
     fmt = layout.fmt
-    layer_w = _layer_weight_bytes(arch, fmt)  # one block, all ranks together
-    embed_w = arch.embedding_params * 2
-    head_w = arch.head_params * 2
+    fb = _float_bytes(kind, fmt)
+    layer_w = _layer_weight_bytes(arch, fmt, fb)  # one block, all ranks together
+    embed_w = arch.embedding_params * fb
+    # an untied head in the float dtype; kiln's CPU step reads a compressed model's head as
+    # INT8 (untied from a tied embedding), as kiln generate runs it
+    head_w = arch.head_params * fb
+    if kind == "cpu" and fmt.packed:
+        head_w = (arch.head_params or arch.embedding_params) * 1
     stages = stage_layers(arch.n_layers, pp)
     # the busiest stage: the largest layer count, plus the embedding (first) or head (last)
     stage_w = [n * layer_w / tp for n in stages]
@@ -142,10 +162,11 @@ def estimate(
     total_w = int(arch.n_layers * layer_w + embed_w + head_w)
     run_peak = resident * (1 + FRAGMENTATION) + dynamic
     if kind == "cpu":  # the process is the device: its load-time peak counts too
-        run_peak = max(run_peak, _cpu_load_peak(arch, total_w, checkpoint_bytes))
+        run_peak = max(run_peak, _cpu_load_peak(arch, total_w, known.checkpoint_bytes))
     peak_device = int(fixed + run_peak)
     peak_host = _host_bytes(hw, layout, offloaded, device_w)
-    ms = _decode_ms(arch, hw, layout, layer_w, stages, kv_per_layer, offloaded)
+    head_read = head_w or embed_w  # a tied head reads the embedding table whole
+    ms = _decode_ms(arch, hw, layout, layer_w, head_read, stages, kv_per_layer, offloaded, known)
     ttft = _prefill_ms(arch, hw, layout, total_w)
     return Estimate(
         layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
@@ -154,10 +175,18 @@ def estimate(
 
 
 # ------------------------------------------------------------------ memory parts
-def _layer_weight_bytes(arch: Architecture, fmt: WeightFormat) -> float:
+def _float_bytes(kind: str, fmt: WeightFormat) -> int:
+    """Bytes of the tensors kept in floating point (embeddings, norms, biases): fp32 on the
+    CPU unless the weights are 16-bit, 16-bit on GPUs unless the weights are fp32."""
+    if fmt.name == "fp32" or (kind == "cpu" and fmt.name not in ("bf16", "fp16")):
+        return 4
+    return 2
+
+
+def _layer_weight_bytes(arch: Architecture, fmt: WeightFormat, float_bytes: int) -> float:
     linear = sum(lin.out_features * lin.in_features for lin in arch.layer_linears)
-    rest = arch.params_per_layer - linear  # biases and norms stay 16-bit
-    return linear * fmt.bits / 8 + rest * 2
+    rest = arch.params_per_layer - linear  # biases and norms stay in floating point
+    return linear * fmt.bits / 8 + rest * float_bytes
 
 
 def _largest_linear(arch: Architecture) -> int:
@@ -210,27 +239,33 @@ def _decode_ms(
     hw: Hardware,
     layout: Layout,
     layer_w: float,
+    head_read: float,
     stages: list[int],
     kv_per_layer: list[int],
     offloaded: int,
+    known: Measurements,
 ) -> float:
+    """One decode step: per layer the larger of its reads (weights and KV cache) over the
+    bandwidth and its FLOPs over the peak, two all-reduces under TP; the head; stage-to-stage
+    sends under PP; offloaded weights streamed alongside. On a CPU with measured ``rates``,
+    weights stream at kiln's measured rate for the format and batch instead."""
     dev, kind = hw.device, hw.device.kind
     tp, b = layout.tp, layout.batch
     bw = dev.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY[kind]
+    measured = rate_at(known.rates, layout.fmt.name, b) if known.rates else None
+    weight_bw = measured * 1e9 / tp if measured else bw  # CPU ranks share one memory
     peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind]
-    flops_layer = (
-        2 * b * (arch.params_per_layer + 2 * arch.head_dim * arch.n_heads * layout.context)
-    )
+    attn = 2 * arch.head_dim * arch.n_heads * layout.context
+    flops_layer = 2 * b * (arch.params_per_layer + attn)
     ms = 0.0
-    layer = 0
-    for n in stages:
-        for _ in range(n):
-            read = layer_w / tp + kv_per_layer[layer] * layout.act_bytes / tp
-            ms += max(read / bw, flops_layer / tp / peak) * 1e3
-            ms += 2 * _allreduce_ms(hw, b * arch.hidden_size * layout.act_bytes, tp)
-            layer += 1
-    head = (arch.head_params or arch.embedding_params) * 2 / tp
-    ms += head / bw * 1e3 + _allreduce_ms(hw, b * arch.vocab_size * 4, tp)
+    for layer in range(sum(stages)):
+        kv_read = kv_per_layer[layer] * layout.act_bytes / tp
+        if measured:  # the measured step already includes its arithmetic
+            ms += (layer_w / tp / weight_bw + kv_read / bw) * 1e3
+        else:
+            ms += max((layer_w / tp + kv_read) / bw, flops_layer / tp / peak) * 1e3
+        ms += 2 * _allreduce_ms(hw, b * arch.hidden_size * layout.act_bytes, tp)
+    ms += head_read / tp / weight_bw * 1e3 + _allreduce_ms(hw, b * arch.vocab_size * 4, tp)
     ms += (layout.pp - 1) * _p2p_ms(hw, b * arch.hidden_size * layout.act_bytes)
     if offloaded:  # streamed every token, overlapped with the rest of the step
         link = hw.host_link.bandwidth_gbs if layout.offload == "host" else hw.disk_read_gbs

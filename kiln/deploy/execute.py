@@ -13,7 +13,6 @@ refused with that reason.
 from __future__ import annotations
 
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -97,13 +96,24 @@ def measure(
                     got["peak_rss_bytes"], got["engine"])  # fmt: skip
 
 
+def peak_rss_bytes() -> int:
+    """This process's resident-memory high-water mark: ``VmHWM`` of /proc/self/status.
+    (Not getrusage's ru_maxrss, which on Linux carries over the parent's peak through
+    fork + exec, so a child started by a large process reports the parent's.)"""
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError("no VmHWM in /proc/self/status: peak memory cannot be measured here")
+
+
 def main() -> int:
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(2)
     result = run_layout(
         spec["model"], spec["layout"], spec["fmt"], spec["prompt_len"], spec["gen_len"]
     )
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB
+    result["peak_rss_bytes"] = peak_rss_bytes()
     print(json.dumps(result))
     return 0
 

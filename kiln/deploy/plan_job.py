@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.deploy.architecture import read_architecture
-from kiln.deploy.hardware import parse_hardware
+from kiln.deploy.estimate import Measurements
+from kiln.deploy.hardware import Hardware, parse_hardware
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import Plan, Request, plan
 
@@ -29,7 +30,7 @@ def plan_deployment(
     file) for ``request``; with ``out``, write the plan document there."""
     arch = read_architecture(model)
     hw = parse_hardware(hardware)
-    result = plan(arch, hw, request, checkpoint_bytes=checkpoint_bytes(model))
+    result = plan(arch, hw, request, known=measurements(model, hw))
     doc = check_plan(plan_to_dict(result, model))
     path = None
     if out:
@@ -77,3 +78,14 @@ def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
         "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_rss_bytes)),
     }
     return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}
+
+
+def measurements(model: str, hw: Hardware) -> Measurements:
+    """What kiln can measure for planning ``model`` on ``hw``: the checkpoint's size, and on
+    this CPU its decode kernels' streaming rates (cached after the first plan)."""
+    rates = None
+    if hw.device.kind == "cpu":
+        from kiln.deploy.kernel_rates import load_rates
+
+        rates = load_rates()
+    return Measurements(checkpoint_bytes(model), rates)

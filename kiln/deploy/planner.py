@@ -20,7 +20,14 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from kiln.deploy.architecture import Architecture
-from kiln.deploy.estimate import FORMATS, Estimate, Layout, estimate
+from kiln.deploy.estimate import (
+    FORMATS,
+    NOTHING_MEASURED,
+    Estimate,
+    Layout,
+    Measurements,
+    estimate,
+)
 from kiln.deploy.hardware import Hardware
 
 Objective = Literal["cost", "latency", "throughput"]
@@ -142,11 +149,15 @@ def activation_bytes(hw: Hardware, fmt: str) -> int:
 
 
 def evaluate(
-    arch: Architecture, hw: Hardware, layout: Layout, request: Request, checkpoint_bytes: int = 0
+    arch: Architecture,
+    hw: Hardware,
+    layout: Layout,
+    request: Request,
+    known: Measurements = NOTHING_MEASURED,
 ) -> Candidate:
     """Estimate ``layout`` and list the constraints it misses."""
     used = hw.with_count(layout.devices)
-    est = estimate(arch, used, layout, checkpoint_bytes)
+    est = estimate(arch, used, layout, known)
     ppl = PRIORS.get(layout.fmt.name, float("nan"))
     misses = []
     if est.peak_device_bytes > est.device_memory_bytes:
@@ -170,13 +181,11 @@ def plan(
     request: Request,
     *,
     relax: bool = True,
-    checkpoint_bytes: int = 0,
+    known: Measurements = NOTHING_MEASURED,
 ) -> Plan:
     """The best candidate for ``request`` on up to ``hw.count`` devices (see module doc);
-    ``checkpoint_bytes``: the checkpoint files a CPU plan's loader maps."""
-    cands = [
-        evaluate(arch, hw, lay, request, checkpoint_bytes) for lay in layouts(arch, hw, request)
-    ]
+    ``known``: what has been measured of this model and machine (``estimate.Measurements``)."""
+    cands = [evaluate(arch, hw, lay, request, known) for lay in layouts(arch, hw, request)]
     # an offload layout that offloads nothing is its "none" twin: keep one of the two
     cands = [c for c in cands if c.estimate.layout.offload == "none" or c.estimate.offloaded_bytes]
     if not cands:
