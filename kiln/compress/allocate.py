@@ -5,14 +5,21 @@ predicted latency) and a predicted loss increase. Least summed cost with summed 
 a budget is a multiple-choice knapsack, solved exactly by
 
 * ``"milp"``: ``scipy.optimize.milp`` (HiGHS), one binary per (layer, option), one equality
-  per layer, one loss row, after reduced-cost fixing (``_Milp``). HiGHS tolerates ~1e-6 row
-  violations, so answers are re-checked exactly; one over budget is cut off (no-good cut)
-  and the problem re-solved. A second solve takes the least loss among the cheapest plans.
+  per layer, one loss row, after reduced-cost fixing (``_Milp``). The loss row is scaled per
+  budget by the room above the least-loss plan (options that alone exceed it are dropped),
+  so HiGHS's ~1e-6 absolute row tolerance is 1e-6 *of the budget*: scaled by the largest
+  loss instead, a 1e2 loss next to a 1e-6 budget let thousands of plans over budget pass
+  as feasible. Answers are still re-checked exactly; one over budget is cut off (no-good
+  cut) and the problem re-solved. A second solve takes the least loss among the cheapest.
   Presolve is off: with a plan just over the row (within tolerance), HiGHS 1.12's restart
   presolve was seen to return a worse plan as optimal; without it, none in 40 frontiers.
 * ``"dp"``: a dynamic program over integer costs (steps over a unit dividing all of them:
   the gcd of byte steps, or ``cost_unit``); one table answers every budget and holds the
   whole frontier. ``"auto"`` uses it when the table is small.
+
+If HiGHS still ends without a plan (infeasible, a limit hit, cuts exhausted), the answer
+comes from the DP (exact when its table is small, else on costs rounded to a coarser unit),
+or, at worst, is the least-loss plan; ``Allocation.status`` names which (``FALLBACKS``).
 
 Dominated options are removed first. Negative predicted losses (noise) are clipped to 0, so
 noise cannot pay for other layers' damage; reported losses are sums of clipped losses. A
@@ -38,6 +45,12 @@ LOSS_RTOL = 1e-9  # relative slack when comparing a plan's summed loss with the 
 LOSS_ATOL = 1e-12  # absolute slack, for budgets at or near zero
 _MAX_CUTS = 32  # no-good cuts tried before the loss row is tightened instead
 _DP_MAX_WORK = 30_000_000  # auto picks the DP when groups * options * table length is below
+# Allocation.status of a plan not from the requested solver's normal path:
+FALLBACKS = (
+    "dp_fallback",  # HiGHS failed; the exact DP answered (optimal)
+    "approx_dp_fallback",  # HiGHS failed; the DP on rounded costs answered (within budget)
+    "least_loss",  # nothing else answered; the least-loss plan (within budget)
+)
 
 
 @dataclass(frozen=True)
@@ -66,7 +79,9 @@ class Allocation:
     choice: tuple[int, ...]
     cost: float
     loss: float
-    status: str  # "optimal", or "near_optimal" when the MILP's loss row had to be tightened
+    # "optimal"; "near_optimal" when the MILP's loss row had to be tightened; or one of
+    # FALLBACKS when HiGHS gave no plan and another method produced this one
+    status: str
 
 
 @dataclass(frozen=True)
@@ -159,8 +174,11 @@ class _Milp:
         else:  # top step -> 1e6: the absolute gap of 1e-6 is 1e-12 relative
             top = float(cost[np.isfinite(cost)].max())
             self.cost = cost * (1e6 / top) if top > 0 else cost
+        self.extra = loss  # (G, K) real loss above the layer's least
+        self.full_cost = self.cost  # (G, K) before options too lossy for a budget are dropped
         self.loss_scale = float(loss.max()) or 1.0
-        self.loss = loss / self.loss_scale  # (G, K) in [0, 1]
+        self.scale = self.loss_scale
+        self.loss = loss / self.scale  # (G, K) in [0, 1]; rescaled per budget by solve
         self.rows = np.arange(n_groups)
 
     def _descend(self, sel: np.ndarray, rhs: float) -> np.ndarray:
@@ -200,12 +218,27 @@ class _Milp:
         slack = 1e-8 * (float(np.abs(floor).sum()) + abs(lower) + abs(upper)) + 1e-6
         return lower + (v - floor), upper, slack
 
+    def _scale_to(self, budget: float) -> float | None:
+        """Scale the loss row to ``budget``'s room above the least loss: returns the row's
+        right-hand side, None when no option with extra loss fits (the least-loss plan is
+        then the answer). Options whose extra loss alone exceeds the room are dropped."""
+        room = budget + LOSS_RTOL * abs(budget) + LOSS_ATOL - self.prob.min_loss
+        lossy = (self.extra > 0) & (self.extra <= room) & np.isfinite(self.full_cost)
+        if not room > 0 or not bool(lossy.any()):
+            return None
+        self.scale = scale = min(self.loss_scale, room)
+        self.loss = self.extra / scale  # (G, K); <= 1 for every option kept
+        self.cost = np.where(self.extra <= room, self.full_cost, np.inf)
+        return min(room / scale, len(self.rows) + 1.0)  # the loss is <= G always
+
     def solve(self, budget: float) -> tuple[list[int], str] | None:
-        """Cheapest plan with loss within ``budget``, least loss among those; None if none."""
+        """Cheapest plan with loss within ``budget``, least loss among those; None when
+        HiGHS ends without one (the caller falls back: ``_solve``)."""
         prob, n_groups = self.prob, len(self.rows)
-        # The loss row in scaled units, widened by the budget tolerance; loss <= G always.
-        rhs = (budget + LOSS_RTOL * abs(budget) + LOSS_ATOL - prob.min_loss) / self.loss_scale
-        rhs = min(rhs, n_groups + 1.0)
+        scaled = self._scale_to(budget)
+        if scaled is None:  # only each layer's least-loss option fits: one plan
+            return [len(c) - 1 for c in prob.costs], "optimal"
+        rhs = scaled
         bound, upper, slack = self._bounds(rhs, budget)
         gi, ji = np.nonzero((bound <= upper + slack) & np.isfinite(self.cost))  # (n,) each
         cost, loss, n = self.cost[gi, ji], self.loss[gi, ji], len(gi)
@@ -218,7 +251,7 @@ class _Milp:
             rows = [LinearConstraint(one_hot, 1.0, 1.0), *rows]
             opts = {"mip_rel_gap": 0.0, "presolve": False}  # see the module docstring
             res = milp(objective, integrality=np.ones(n), bounds=ub, constraints=rows, options=opts)
-            if res.x is None:
+            if res.x is None or res.status != 0:  # infeasible, a limit hit, or an error
                 return []
             sel, on = np.zeros(n_groups, dtype=np.int64), res.x > 0.5
             sel[gi[on]] = ji[on]
@@ -233,9 +266,12 @@ class _Milp:
             if len(cuts) < _MAX_CUTS:  # exclude exactly this plan: one layer must differ
                 cuts.append(row((ji == np.array(sel)[gi]).astype(float), n_groups - 1.0))
             else:  # many plans just over budget: tighten the row below HiGHS's tolerance
-                rhs -= (loss_sel - budget) / self.loss_scale + 2e-6
+                rhs -= (loss_sel - budget) / self.scale + 2e-6
+                if rhs < 0:  # no room left: the row now excludes even the least-loss plan
+                    return None
                 loss_row, status = [row(loss, rhs)], "near_optimal"
-        assert sel, "HiGHS found no plan although the least-loss plan fits"
+        if not sel:  # HiGHS ended without a plan
+            return None
         # Second stage: the least loss among plans no dearer than `sel` (x1e6: HiGHS stops at
         # an absolute gap of 1e-6); `sel` is now the incumbent, so fewer options survive.
         cap = float(self.cost[self.rows, sel].sum())
@@ -276,6 +312,7 @@ class _Dp:
         return sel
 
     def solve(self, budget: float) -> tuple[list[int], str] | None:
+        """The cheapest plan (in whole units) within ``budget``, least loss among those."""
         fits = self.table <= budget + LOSS_RTOL * abs(budget) + LOSS_ATOL
         return (self.plan(int(np.argmax(fits))), "optimal") if fits.any() else None
 
@@ -283,6 +320,35 @@ class _Dp:
         """All non-dominated plans, rising cost: offsets where the least loss drops."""
         best_before = np.concatenate([[np.inf], np.minimum.accumulate(self.table)[:-1]])
         return [self.plan(int(c)) for c in np.flatnonzero(self.table < best_before)]
+
+
+def _fallback(prob: _Problem, budget: float, unit: float | None) -> tuple[list[int], str]:
+    """A plan within ``budget`` when HiGHS gave none: the exact DP when its table is small
+    (``unit`` divides every cost step), else the DP on costs rounded to a unit that keeps
+    the table small (loss exact, cost within groups * unit / 2 of the optimum), else the
+    least-loss plan (``budget`` must admit it)."""
+    span = sum(float(c[-1] - c[0]) for c in prob.costs)
+    n_opts = sum(len(c) for c in prob.costs)
+    exact = unit is not None and (span / unit + 1) * n_opts <= _DP_MAX_WORK
+    coarse = span * n_opts / _DP_MAX_WORK
+    if exact or coarse > 0:
+        solved = _Dp(prob, unit if exact and unit is not None else coarse).solve(budget)
+        if solved is not None and _within(prob.evaluate(solved[0])[1], budget):
+            return solved[0], "dp_fallback" if exact else "approx_dp_fallback"
+    return [len(c) - 1 for c in prob.costs], "least_loss"
+
+
+def _solve(
+    prob: _Problem, budget: float, unit: float | None, solver: _Milp | _Dp | None = None
+) -> tuple[list[int], str]:
+    """The plan for ``budget`` (which the least-loss plan fits) by ``solver`` (the DP when
+    ``unit`` is set, else the MILP), falling back (``_fallback``) when it finds none."""
+    if solver is None:
+        solver = _Milp(prob) if unit is None else _Dp(prob, unit)
+    solved = solver.solve(budget)
+    if solved is not None and _within(prob.evaluate(solved[0])[1], budget):
+        return solved
+    return _fallback(prob, budget, prob.dp_unit(None) if unit is None else unit)
 
 
 def _pick_method(prob: _Problem, method: Method, cost_unit: float | None) -> float | None:
@@ -319,9 +385,7 @@ def allocate(
         msg = f"the least-loss plan already loses {prob.min_loss:.6g}"
         raise ValueError(f"loss budget {loss_budget:.6g} is infeasible: {msg}")
     unit = _pick_method(prob, method, cost_unit)
-    solved = _Milp(prob).solve(loss_budget) if unit is None else _Dp(prob, unit).solve(loss_budget)
-    assert solved is not None, "no plan found although the least-loss plan fits"
-    sel, status = solved
+    sel, status = _solve(prob, loss_budget, unit)
     cost, loss, choice = prob.evaluate(sel)
     return Allocation(choice=choice, cost=cost, loss=loss, status=status)
 
@@ -340,12 +404,10 @@ def _spread(points: list[FrontierPoint], max_points: int) -> list[FrontierPoint]
 def _milp_frontier(prob: _Problem, solver: _Milp, max_points: int) -> list[FrontierPoint]:
     """Adaptive epsilon-constraint: split the widest gap between known points until done."""
 
-    def point(budget: float) -> FrontierPoint | None:
-        solved = solver.solve(budget)
-        return None if solved is None else FrontierPoint(*prob.evaluate(solved[0]))
+    def point(budget: float) -> FrontierPoint:  # budget >= min_loss: always a plan
+        return FrontierPoint(*prob.evaluate(_solve(prob, budget, None, solver)[0]))
 
     cheap, rich = point(math.inf), point(prob.min_loss)
-    assert cheap is not None and rich is not None  # min_loss is always feasible
     if rich.cost <= cheap.cost:  # the cheapest plan already has the least loss
         return [cheap]
     found, tick = [rich, cheap], itertools.count()  # tick: FrontierPoints do not compare
@@ -360,7 +422,7 @@ def _milp_frontier(prob: _Problem, solver: _Milp, max_points: int) -> list[Front
     push(rich, cheap)
     while heap and len(found) < max_points:
         _, _, a, b = heapq.heappop(heap)
-        p = point(0.5 * (a.loss + b.loss))  # a point with loss in (a.loss, mid], or a
+        p: FrontierPoint | None = point(0.5 * (a.loss + b.loss))  # loss in (a.loss, mid], or a
         split = p is not None and b.cost < p.cost < a.cost
         if not split:  # none up to mid: b's next neighbour, with loss in (mid, b.loss), or a
             below_b = b.loss - 2.0 * (LOSS_RTOL * abs(b.loss) + LOSS_ATOL)

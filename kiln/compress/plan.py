@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from kiln.compress.allocate import FrontierPoint, Objective, Option, allocate, pareto_frontier
+from kiln.compress.rounds import RoundStore
 from kiln.compress.sensitivity import DENSE, SensitivityTable
 from kiln.compress.verbs import set_submodule
 
@@ -119,6 +120,7 @@ def search(
     latency: dict[tuple[str, str], float] | None = None,
     max_rounds: int = 5,
     on_round: Callable[[PlanRound], None] | None = None,
+    store: RoundStore | None = None,
 ) -> PlanResult:
     """Find the cheapest plan whose measured loss increase is within ``budget``.
 
@@ -129,6 +131,9 @@ def search(
     guess falls outside). A plan measured well under budget is loosened, not just
     accepted: predictions can be pessimistic too. The smallest plan measured within
     budget wins.
+
+    With a ``store``, each measured plan is kept on disk as soon as it is measured, and a
+    plan already in the store is not measured again (its kept loss is used).
     """
     grp = groups(table, latency)
     predicted_budget = budget
@@ -141,9 +146,16 @@ def search(
         choice = choice_names(table, alloc.choice)
         if rounds and any(r.choice == choice for r in rounds):
             break  # the predicted budget moved but the plan did not: nothing new to learn
-        with applied(model, table, choice):
-            measured = measure(model)
-        rnd = PlanRound(predicted_budget, alloc.loss, measured, plan_nbytes(table, choice), choice)
+        measured = store.measured(choice) if store is not None else None
+        nbytes = plan_nbytes(table, choice)
+        if measured is None:
+            with applied(model, table, choice):
+                measured = measure(model)
+            if store is not None:
+                store.append({"choice": choice, "measured": measured, "predicted": alloc.loss,
+                              "predicted_budget": predicted_budget, "budget": budget,
+                              "nbytes": nbytes, "status": alloc.status})  # fmt: skip
+        rnd = PlanRound(predicted_budget, alloc.loss, measured, nbytes, choice)
         rounds.append(rnd)
         costs.append(alloc.cost)
         if on_round is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Protocol
 
 from torch import nn
@@ -25,6 +26,7 @@ from kiln.compress.configs import (
 )
 from kiln.compress.moments import collect_stats, linear_layers
 from kiln.compress.plan import PlanResult, PlanRound, apply_choice, frontier, search
+from kiln.compress.rounds import RoundStore, default_path, plan_key
 from kiln.compress.sensitivity import DENSE, SensitivityTable, analyse, measured_layer_loss
 from kiln.compress.tasks import Task
 
@@ -116,12 +118,19 @@ def compress_to_budget(
     check: bool = True,
     apply: bool = True,
     reporter: Reporter | None = None,
+    resume: bool = True,
+    rounds_dir: Path | None = None,
 ) -> CompressionOutcome:
     """Find and apply the smallest plan whose measured increase is within ``max_increase``
     (relative perplexity for a language model, mean 1 - cosine for an encoder).
 
     ``table`` reuses an earlier analysis (several budgets, one calibration); with
-    ``apply=False`` the model is left uncompressed whatever the outcome."""
+    ``apply=False`` the model is left uncompressed whatever the outcome.
+
+    Every measured plan is kept in ``<rounds_dir>/<key>.json`` (by default under
+    ``cache_dir("compress-rounds")``; ``rounds.plan_key``) as soon as it is measured, and a
+    rerun of the same model, task and options measures none of them again; ``resume=False``
+    neither reads nor writes the file."""
     if table is None:
         table = analyse_model(task, options, reporter)
     if reporter:
@@ -145,11 +154,17 @@ def compress_to_budget(
         latency = measure_latency(
             table, linear_layers(task.model), progress=reporter.advance if reporter else None
         )
+    store = None
+    if resume:
+        key = plan_key(task, table)
+        store = RoundStore(default_path(key, rounds_dir), key)
+        if reporter and store.resumed:
+            reporter.note(f"resumed {store.resumed} measured plans from {store.path}")
     if reporter:
         reporter.stage("allocating, measuring, tightening", 1)
     result = search(
         task.model, table, budget, task.measure, objective=objective, latency=latency,
-        on_round=on_round,
+        on_round=on_round, store=store,
     )  # fmt: skip
     confirmations = confirm(task, table, result.final.choice, reporter) if check else []
     if result.met and apply:

@@ -309,3 +309,127 @@ def test_realistic_instance_solves_fast() -> None:
             # Measured ~0.1-0.3 s on 2 shared cores; 5 s leaves room for a loaded machine.
             assert elapsed < 5.0, f"{objective} took {elapsed:.2f} s"
             assert got.loss <= budget and got.status == "optimal"
+
+
+def already_4bit(seed: int, n_layers: int = 120) -> Groups:
+    """Like a model that is already 4-bit: re-quantizing some layers barely changes them
+    (predicted losses down to 1e-8, some negative), others badly (up to 1e2)."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(n_layers):
+        base = 64 * rng.choice([9, 3, 24])
+        opts = [Option("dense", 4 * base, 0.0)]
+        for k in range(1, 6):
+            loss = 10 ** rng.uniform(-8, 2) * rng.choice([1, 1, 1, -1])
+            opts.append(Option(f"o{k}", base * rng.randint(1, 3), loss))
+        groups.append(opts)
+    return groups
+
+
+@pytest.mark.parametrize("seed", [1, 3, 4, 5])
+def test_tiny_budget_next_to_huge_losses(seed: int) -> None:
+    """Issue 18: with the loss row scaled by the largest loss (1e2), HiGHS's 1e-6 row
+    tolerance let >32 plans over a 1e-6 budget pass; the cuts ran out, the tightened row
+    excluded even the least-loss plan, and an assert fired. These seeds did that."""
+    groups = already_4bit(seed)
+    for budget in (1e-7, 1e-6, 1e-5):
+        milp, dp = allocate(groups, budget, method="milp"), allocate(groups, budget, method="dp")
+        assert (milp.cost, milp.loss, milp.status) == (dp.cost, dp.loss, "optimal")
+        assert milp.loss <= budget
+
+
+def test_milp_frontier_over_a_huge_loss_range() -> None:
+    groups = already_4bit(3)
+    frontier = pareto_frontier(groups, max_points=40, method="milp")
+    assert frontier[0].loss == 0.0 and len(frontier) == 40
+    assert_frontier_ok(frontier, groups, "bytes", method="dp")
+
+
+def edge_groups(seed: int, positive: bool) -> Groups:
+    """Few plans, losses spanning 1e-6..1e2, negative ones unless ``positive``."""
+    rng = random.Random(seed)
+    return [
+        [
+            Option(
+                f"g{g}o{k}",
+                rng.randint(1, 30),
+                10 ** rng.uniform(-6, 2) * (1 if positive or rng.random() < 0.7 else -1),
+            )
+            for k in range(rng.randint(2, 4))
+        ]  # fmt: skip
+        for g in range(rng.randint(2, 4))
+    ]
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("positive", [False, True])
+def test_budgets_at_the_edges_against_brute_force(seed: int, positive: bool) -> None:
+    """Budgets exactly at every plan's loss, at the least loss and 1 ulp either side,
+    at zero and just below: exact for both methods; below the least loss: a ValueError."""
+    groups = edge_groups(seed, positive)
+    least = math.fsum(min(max(o.loss, 0.0) for o in g) for g in groups)
+    edges = {lo for _, lo, _ in plans(groups, "bytes")}
+    edges |= {least, math.nextafter(least, math.inf), math.nextafter(least, -math.inf)}
+    if least == 0.0:
+        edges |= {-1e-13, -5e-324}
+    for budget in sorted(edges):
+        check(groups, budget, "bytes", method="milp")
+        check(groups, budget, "bytes", method="dp")
+        check(groups, budget, "latency", method="milp")
+    below = least - 1e-6 * max(least, 1.0)
+    for method in ("milp", "dp"):
+        with pytest.raises(ValueError, match="infeasible"):
+            allocate(groups, below, method=method)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="infeasible"):
+        allocate(groups, -1.0)
+
+
+class NoSolution:
+    """What scipy's milp returns when HiGHS ends without a plan."""
+
+    def __init__(self, status: int, x: object = None) -> None:
+        self.status, self.x, self.message = status, x, "patched"
+
+
+@pytest.mark.parametrize("status", [1, 2, 4])  # time/iteration limit, infeasible, other
+def test_highs_without_a_plan_falls_back_to_the_dp(monkeypatch, status: int) -> None:
+    import numpy as np
+
+    from kiln.compress import allocate as module
+
+    def failing(c: np.ndarray, **kw: object) -> NoSolution:
+        return NoSolution(status, None if status != 1 else np.ones_like(c))  # limit: junk x
+
+    monkeypatch.setattr(module, "milp", failing)
+    rng = random.Random(3)
+    groups = random_groups(rng, 5, 4)
+    seen = set()
+    for budget in budgets(groups, rng):
+        ref = brute(groups, budget, "bytes")
+        got = allocate(groups, budget, method="milp")
+        assert got.cost == ref[0]  # type: ignore[index]
+        assert got.loss == pytest.approx(ref[1], rel=1e-9, abs=1e-12)  # type: ignore[index]
+        lat = allocate(groups, budget, "latency", method="milp")  # no exact unit: rounded
+        assert lat.loss <= budget + 1e-12
+        # "optimal": a budget only the least-loss plan fits is answered without HiGHS
+        assert got.status in ("optimal", "dp_fallback")
+        assert lat.status in ("optimal", "approx_dp_fallback")
+        seen |= {got.status, lat.status}
+    assert {"dp_fallback", "approx_dp_fallback"} <= seen
+    frontier = pareto_frontier(groups, max_points=1000, method="milp")
+    assert_same_points(frontier, brute_frontier(groups, "bytes")[::-1])  # all exact DP
+
+
+def test_fallback_when_the_dp_is_too_big_or_fails(monkeypatch) -> None:
+    from kiln.compress import allocate as module
+
+    monkeypatch.setattr(module, "milp", lambda c, **kw: NoSolution(2))
+    groups = already_4bit(1, n_layers=30)
+    monkeypatch.setattr(module, "_DP_MAX_WORK", 2_000)  # the exact table is too big
+    exact = allocate(groups, 1e-3, method="dp")
+    got = allocate(groups, 1e-3, method="milp")
+    assert got.status == "approx_dp_fallback" and got.loss <= 1e-3
+    assert exact.cost <= got.cost <= exact.cost * 1.1  # rounded costs: near the optimum
+    monkeypatch.setattr(module._Dp, "solve", lambda self, budget: None)
+    got = allocate(groups, 1e-3, method="milp")
+    assert got.status == "least_loss" and got.loss == 0.0

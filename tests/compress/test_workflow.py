@@ -121,3 +121,98 @@ def test_search_corrects_mispredictions(analysed, skew: float) -> None:
     smallest = sum(min(o.nbytes for o in opts) for opts in table.options.values())
     if skew < 1 and result.rounds[0].nbytes > smallest:
         assert result.final.nbytes < result.rounds[0].nbytes
+
+
+class Notes:
+    def __init__(self) -> None:
+        self.notes: list[str] = []
+
+    def stage(self, name: str, total: int) -> None: ...
+    def advance(self, done: int, total: int) -> None: ...
+    def note(self, text: str) -> None:
+        self.notes.append(text)
+
+
+def test_measured_rounds_are_kept_and_a_rerun_resumes(rounds_in_tmp) -> None:
+    """A run that dies after two measurements keeps them; the rerun measures neither again,
+    says so, and ends as a run that never died would."""
+    import json
+
+    fresh = workflow.compress_to_budget(
+        ToyTask(toy_mlp(seed=4)), 0.002, options=OPTIONS, check=False, apply=False, resume=False
+    )
+    assert len(fresh.result.rounds) >= 3
+    task = ToyTask(toy_mlp(seed=4))
+    table = workflow.analyse_model(task, OPTIONS)
+    calls: list[float] = []
+    real = task.measure
+
+    def dying(model: torch.nn.Module) -> float:
+        if len(calls) == 2:
+            raise RuntimeError("killed")
+        calls.append(real(model))
+        return calls[-1]
+
+    task.measure = dying  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="killed"):
+        workflow.compress_to_budget(task, 0.002, table=table, check=False)
+    (path,) = rounds_in_tmp.glob("*.json")
+    kept = json.loads(path.read_text())["rounds"]
+    assert [r["measured"] for r in kept] == calls
+    assert set(kept[0]) >= {"choice", "measured", "predicted", "predicted_budget", "budget"}
+
+    calls.clear()
+    task.measure = lambda model: calls.append(real(model)) or calls[-1]  # type: ignore[method-assign]
+    notes = Notes()
+    out = workflow.compress_to_budget(task, 0.002, table=table, check=False, reporter=notes)
+    assert f"resumed 2 measured plans from {path}" in notes.notes
+    assert len(calls) == len(out.result.rounds) - 2  # the first two came from the file
+    assert [r.measured for r in out.result.rounds] == [r.measured for r in fresh.result.rounds]
+    assert out.result.final.choice == fresh.result.final.choice
+    # A different option set is another key: nothing is resumed from this file.
+    other = workflow.analyse_model(ToyTask(toy_mlp(seed=4)), OPTIONS[:2])
+    task2 = ToyTask(toy_mlp(seed=4))
+    notes2 = Notes()
+    workflow.compress_to_budget(task2, 0.002, table=other, check=False, reporter=notes2)
+    assert not any(n.startswith("resumed") for n in notes2.notes)
+    assert len(list(rounds_in_tmp.glob("*.json"))) == 2
+
+
+def test_rounds_file_is_overridable_and_a_torn_file_is_ignored(tmp_path) -> None:
+    from kiln.compress.rounds import RoundStore
+
+    path = tmp_path / "r" / "k.json"
+    store = RoundStore(path, "k")
+    store.append({"choice": {"a": "int8"}, "measured": 0.5})
+    assert RoundStore(path, "k").measured({"a": "int8"}) == 0.5
+    assert RoundStore(path, "other").resumed == 0  # another key's file
+    path.write_text('{"key": "k", "rounds": [')  # torn write
+    assert RoundStore(path, "k").resumed == 0
+    task = ToyTask(toy_mlp(seed=4))
+    workflow.compress_to_budget(task, 0.01, options=OPTIONS[:1], check=False, rounds_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+@pytest.mark.parametrize("kind", ["pessimistic", "negative"])
+def test_search_copes_with_10x_pessimism_and_negative_losses(analysed, kind: str) -> None:
+    """Issue 18's model was already 4-bit: predictions 10x the measured loss, and small
+    plans measured *better* than the original. The search must end within budget, in a
+    bounded number of rounds, on a smaller plan than its first, and never crash."""
+    task, table = analysed
+    predicted = {id(o.module): o.predicted for opts in table.options.values() for o in opts}
+    budget = task.budget(0.002)
+
+    def fake_measure(model: torch.nn.Module) -> float:
+        p = sum(predicted.get(id(m), 0.0) for m in model.modules())
+        if kind == "pessimistic":
+            return p / 10
+        return p / 10 - 0.5 * budget  # small plans lower the loss
+
+    result = search(task.model, table, budget, fake_measure)
+    assert result.met and result.final.measured <= budget
+    assert len(result.rounds) <= 5
+    assert result.final.nbytes < result.rounds[0].nbytes
+    if kind == "negative":
+        assert result.rounds[0].measured < 0
+    within = [r.nbytes for r in result.rounds if r.measured <= budget]
+    assert result.final.nbytes == min(within)
