@@ -156,7 +156,9 @@ def estimate(
     dynamic = (kv_device + act + workspace) * (1 + FRAGMENTATION)
     resident_budget = (capacity - fixed - dynamic) / (1 + FRAGMENTATION)
     offloaded = 0
-    if layout.offload != "none":
+    if layout.offload != "none" and kind == "cpu":  # kiln streams every block from the store
+        offloaded = int(sum(stages) * layer_w / tp)
+    elif layout.offload != "none":
         offloaded = int(max(0.0, device_w - max(resident_budget, 0.0)))
     resident = device_w - offloaded
     total_w = int(arch.n_layers * layer_w + embed_w + head_w)
@@ -252,7 +254,11 @@ def _decode_ms(
     dev, kind = hw.device, hw.device.kind
     tp, b = layout.tp, layout.batch
     bw = dev.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY[kind]
-    measured = rate_at(known.rates, layout.fmt.name, b) if known.rates else None
+    # offloaded CPU plans run the eager module (the fast step needs resident weights)
+    engine = (
+        layout.fmt.name if layout.offload == "none" or kind != "cpu" else f"eager-{layout.fmt.name}"
+    )
+    measured = rate_at(known.rates, engine, b) if known.rates else None
     weight_bw = measured * 1e9 / tp if measured else bw  # CPU ranks share one memory
     peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind]
     attn = 2 * arch.head_dim * arch.n_heads * layout.context
@@ -269,6 +275,8 @@ def _decode_ms(
     ms += (layout.pp - 1) * _p2p_ms(hw, b * arch.hidden_size * layout.act_bytes)
     if offloaded:  # streamed every token, overlapped with the rest of the step
         link = hw.host_link.bandwidth_gbs if layout.offload == "host" else hw.disk_read_gbs
+        if kind == "cpu" and hw.host_memory_bytes > 2 * offloaded * layout.devices:
+            link = dev.bandwidth_gbs  # the store stays in the page cache: a memory copy
         ms = max(ms, offloaded * layout.pp / (link * 1e9) * 1e3)
     return ms
 

@@ -5,7 +5,9 @@ The CPU cost model needs more than the machine's bandwidth: each kernel family (
 with the number of activation rows. ``measure_rates`` times kiln's whole decode step (the
 C++ ``FastDecoder``) on a random-weight model of SmolLM2's block shapes in each format,
 larger than the last-level cache in every format, so its weights stream from memory as in
-a real step; the figure is the weight bytes one step reads per second. ``load_rates`` caches
+a real step; the figure is the weight bytes one step reads per second. ``eager-<format>``
+entries time the eager module instead (batch 1), the engine of plans that stream their
+blocks from disk. ``load_rates`` caches
 the table per CPU (model name and ISA flags) and thread count; ``kiln calibrate`` refreshes
 it.
 """
@@ -83,9 +85,28 @@ def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
                         times.append(time.perf_counter() - t0)
                     best = min(best, sorted(times)[len(times) // 2])
                 out[fmt][rows] = nbytes / best / 1e9
+            out[f"eager-{fmt}"] = {1: nbytes / _eager_step_s(model) / 1e9}
     finally:
         torch.set_num_threads(before)
     return out
+
+
+def _eager_step_s(model: Transformer) -> float:
+    """The eager module's decode step time (what offloaded plans run), best median."""
+    from kiln.llm.generate import EagerDecoder
+
+    dec = EagerDecoder(model, 1, 64)
+    tok = torch.zeros(1, dtype=torch.long)
+    dec.prefill(torch.zeros(1, 4, dtype=torch.long))
+    best = float("inf")
+    for _ in range(2):
+        times = []
+        for pos in range(4, 12):
+            t0 = time.perf_counter()
+            dec.step(tok, pos)
+            times.append(time.perf_counter() - t0)
+        best = min(best, sorted(times)[len(times) // 2])
+    return best
 
 
 def rates_path(threads: int) -> str:
