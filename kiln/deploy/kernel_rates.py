@@ -25,6 +25,7 @@ import torch
 from kiln.core.cache import cache_dir
 from kiln.core.hardware import cpu_model
 from kiln.core.native import cpu_flags
+from kiln.llm.generate import Decoder
 from kiln.models.transformer import Transformer
 
 FORMATS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
@@ -63,6 +64,7 @@ def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
     the bytes one step reads (``weight_bytes_per_token``) over the step's best median time."""
     from kiln.deploy.generate_job import weight_bytes_per_token
     from kiln.llm.fast_decoder import FastDecoder
+    from kiln.llm.generate import EagerDecoder
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -71,39 +73,27 @@ def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
         for fmt in FORMATS:
             model = _model(fmt)
             nbytes = weight_bytes_per_token(model)
-            out[fmt] = {}
-            for rows in ROWS:
-                dec = FastDecoder(model, rows, 64)
-                tok = torch.zeros(rows, dtype=torch.long)
-                dec.prefill(torch.zeros(rows, 4, dtype=torch.long))
-                best = float("inf")
-                for _ in range(3):
-                    times = []
-                    for pos in range(4, 20):
-                        t0 = time.perf_counter()
-                        dec.step(tok, pos)
-                        times.append(time.perf_counter() - t0)
-                    best = min(best, sorted(times)[len(times) // 2])
-                out[fmt][rows] = nbytes / best / 1e9
-            out[f"eager-{fmt}"] = {1: nbytes / _eager_step_s(model) / 1e9}
+            out[fmt] = {
+                rows: nbytes / step_seconds(FastDecoder(model, rows, 64), rows, 16, 3) / 1e9
+                for rows in ROWS
+            }
+            eager = step_seconds(EagerDecoder(model, 1, 64), 1, 8, 2)  # offloaded plans' engine
+            out[f"eager-{fmt}"] = {1: nbytes / eager / 1e9}
     finally:
         torch.set_num_threads(before)
     return out
 
 
-def _eager_step_s(model: Transformer) -> float:
-    """The eager module's decode step time (what offloaded plans run), best median."""
-    from kiln.llm.generate import EagerDecoder
-
-    dec = EagerDecoder(model, 1, 64)
-    tok = torch.zeros(1, dtype=torch.long)
-    dec.prefill(torch.zeros(1, 4, dtype=torch.long))
+def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
+    """Best over ``repeats`` of the median of ``steps`` decode steps after a short prefill."""
+    tok = torch.zeros(rows, dtype=torch.long)
+    decoder.prefill(torch.zeros(rows, 4, dtype=torch.long))
     best = float("inf")
-    for _ in range(2):
+    for _ in range(repeats):
         times = []
-        for pos in range(4, 12):
+        for pos in range(4, 4 + steps):
             t0 = time.perf_counter()
-            dec.step(tok, pos)
+            decoder.step(tok, pos)
             times.append(time.perf_counter() - t0)
         best = min(best, sorted(times)[len(times) // 2])
     return best
