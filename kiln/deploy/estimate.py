@@ -169,7 +169,7 @@ def estimate(
     peak_host = _host_bytes(hw, layout, offloaded, device_w)
     head_read = head_w or embed_w  # a tied head reads the embedding table whole
     ms = _decode_ms(arch, hw, layout, layer_w, head_read, stages, kv_per_layer, offloaded, known)
-    ttft = _prefill_ms(arch, hw, layout, total_w)
+    ttft = _prefill_ms(arch, hw, layout, total_w, known)
     return Estimate(
         layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
         ms, ttft, capacity,
@@ -281,13 +281,21 @@ def _decode_ms(
     return ms
 
 
-def _prefill_ms(arch: Architecture, hw: Hardware, layout: Layout, total_w: int) -> float:
+def _prefill_ms(
+    arch: Architecture, hw: Hardware, layout: Layout, total_w: int, known: Measurements
+) -> float:
+    """Time to first token: the prompt's FLOPs at the compute rate (kiln's measured prefill
+    rate for the format on this CPU, else the peak at a stated efficiency) or its weight
+    reads, whichever is longer, plus TP all-reduces and PP sends of the activations."""
     kind = hw.device.kind
     tokens = layout.batch * layout.prompt_len
     flops = 2 * tokens * arch.total_params + 2 * arch.n_layers * layout.batch * (
         2 * arch.n_heads * arch.head_dim * layout.prompt_len**2
     )
     peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind] * layout.tp
+    measured = rate_at(known.rates, f"prefill-{layout.fmt.name}", tokens) if known.rates else None
+    if measured:
+        peak = measured * 1e9  # GFLOP/s of the whole process (CPU ranks share the cores)
     read = (
         total_w
         / layout.pp

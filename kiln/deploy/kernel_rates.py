@@ -7,7 +7,7 @@ C++ ``FastDecoder``) on a random-weight model of SmolLM2's block shapes in each 
 larger than the last-level cache in every format, so its weights stream from memory as in
 a real step; the figure is the weight bytes one step reads per second. ``eager-<format>``
 entries time the eager module instead (batch 1), the engine of plans that stream their
-blocks from disk. ``load_rates`` caches
+blocks from disk; ``prefill-<format>`` entries are GFLOP/s of a 64-token prefill. ``load_rates`` caches
 the table per CPU (model name and ISA flags) and thread count; ``kiln calibrate`` refreshes
 it.
 """
@@ -30,6 +30,7 @@ from kiln.models.transformer import Transformer
 
 FORMATS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
 ROWS = (1, 4)
+PREFILL_TOKENS = 64  # prompts over 32 rows prefill through the eager module
 
 Rates = Mapping[str, Mapping[int, float]]  # format -> rows -> GB/s of weight bytes
 
@@ -69,6 +70,8 @@ def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     out: dict[str, dict[int, float]] = {}
+    # FLOPs count the dense parameters (compressed layers keep their weights as buffers)
+    dense_params = sum(p.numel() for p in _model("fp32").parameters())
     try:
         for fmt in FORMATS:
             model = _model(fmt)
@@ -79,6 +82,7 @@ def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
             }
             eager = step_seconds(EagerDecoder(model, 1, 64), 1, 8, 2)  # offloaded plans' engine
             out[f"eager-{fmt}"] = {1: nbytes / eager / 1e9}
+            out[f"prefill-{fmt}"] = {PREFILL_TOKENS: prefill_gflops(model, dense_params)}
     finally:
         torch.set_num_threads(before)
     return out
@@ -97,6 +101,21 @@ def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float
             times.append(time.perf_counter() - t0)
         best = min(best, sorted(times)[len(times) // 2])
     return best
+
+
+def prefill_gflops(model: Transformer, params: int, tokens: int = PREFILL_TOKENS) -> float:
+    """GFLOP/s of a ``tokens``-token prefill at batch 1 (2 x ``params`` x tokens, ``params``
+    the model's dense parameter count), best of 3."""
+    from kiln.deploy.generate_job import GenerateRequest, choose_decoder
+
+    request = GenerateRequest(checkpoint="", prompt="")
+    best = float("inf")
+    for _ in range(3):
+        dec, _ = choose_decoder(model, request, 1, tokens + 4)
+        t0 = time.perf_counter()
+        dec.prefill(torch.zeros(1, tokens, dtype=torch.long))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * params * tokens / best / 1e9
 
 
 def rates_path(threads: int) -> str:
