@@ -27,6 +27,7 @@ def plan(
     out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans)")] = False,
+    emit: Annotated[str, typer.Option(help="also print the launch for torchrun or vllm")] = "",
 ) -> None:  # fmt: skip
     """Plan how to serve MODEL on HARDWARE: weight format, number of devices, tensor- and
     pipeline-parallel degrees and weight offloading, chosen for the objective among every
@@ -36,7 +37,8 @@ def plan(
     An infeasible request prints the closest plan, each constraint it misses and by how
     much, and the single changes that would make it feasible. With --verify a CPU plan is
     executed in a fresh process and its measured figures are printed beside the predicted
-    ones."""
+    ones. With --emit torchrun|vllm the plan is also printed as that engine's launch line(s),
+    with the parts of the plan the engine cannot express."""
     from kiln.deploy import parse
     from kiln.deploy.plan_job import plan_deployment
     from kiln.deploy.planner import Request
@@ -52,6 +54,15 @@ def plan(
         )  # fmt: skip
         result = plan_deployment(model, hardware, request, out or None)
     doc = result.document
+    launch = None
+    if emit:
+        from kiln.deploy.emit import ENGINES
+        from kiln.deploy.emit import emit as emit_plan
+
+        with refused():
+            if emit not in ENGINES:
+                raise ValueError(f"--emit must be one of {', '.join(ENGINES)}, got {emit!r}")
+            launch = emit_plan(doc, emit)  # type: ignore[arg-type]
     checked = None
     if verify and doc["feasible"]:
         from kiln.deploy.plan_job import verify as verify_plan
@@ -59,7 +70,11 @@ def plan(
         with console.status("executing the plan"), refused():
             checked = verify_plan(result, model)
     if as_json:
-        print(json.dumps({**doc, "verified": checked} if checked else doc, indent=1))
+        extra: dict = {"verified": checked} if checked else {}
+        if launch is not None:
+            extra["emit"] = {"engine": emit, "lines": launch.lines,
+                             "cannot_express": launch.cannot_express}  # fmt: skip
+        print(json.dumps({**doc, **extra}, indent=1))
         return
     _render(doc)
     if checked:
@@ -69,6 +84,12 @@ def plan(
                 name, f"{row['predicted']:.4g}", f"{row['measured']:.4g}", f"{row['error']:+.1%}"
             )
         console.print(table)
+    if launch is not None:
+        console.print(f"[bold]{emit}[/bold]:")
+        for line in launch.lines:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
+        for gap in launch.cannot_express:
+            console.print(f"[yellow]{emit} cannot express[/yellow] {gap}")
     if result.written is not None:
         console.print(f"[dim]plan written to {result.written}[/dim]")
     if not doc["feasible"]:
