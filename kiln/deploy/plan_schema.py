@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any
 
 from kiln.deploy.estimate import stage_layers
-from kiln.deploy.planner import PRIOR_NOTE, Candidate, Plan
+from kiln.deploy.planner import PRIOR_NOTE, Plan
 
 SCHEMA = "kiln.plan/1"
 
@@ -144,14 +144,6 @@ def check_plan(doc: Any) -> dict[str, Any]:
     if lay["offload"] not in ("none", "host", "disk"):
         raise PlanError(f"field 'layout.offload': none | host | disk, got {lay['offload']!r}")
     return doc
-
-
-def candidate_summary(c: Candidate) -> dict[str, float | str]:
-    """One row of the runner-up / frontier tables."""
-    e = c.estimate
-    return {"plan": c.describe(), "ms_per_token": e.ms_per_token, "ttft_ms": e.ttft_ms,
-            "cost_per_1m_tokens_usd": c.cost_per_1m_tokens,
-            "peak_device_gb": e.peak_device_bytes / 1e9, "ppl_increase": c.ppl_increase}  # fmt: skip
 
 
 def load_plan(path: str) -> dict[str, Any]:

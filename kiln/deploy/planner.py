@@ -198,49 +198,56 @@ def plan(
         best = min(cands, key=_badness)
         result = Plan(arch, request, best, frontier=_frontier(cands))
         if relax:
-            result.relaxations = relaxations(arch, hw, request)
+            result.relaxations = relaxations(arch, hw, request, known)
     return result
 
 
-def relaxations(arch: Architecture, hw: Hardware, request: Request) -> list[tuple[str, Candidate]]:
-    """The single changes that make an infeasible request feasible, smallest first within
-    each kind: more devices, a larger accuracy budget, offloading, a smaller batch, a
-    shorter context, a looser latency target."""
-    tries: list[tuple[str, Hardware, Request]] = []
+def relaxations(
+    arch: Architecture, hw: Hardware, request: Request, known: Measurements = NOTHING_MEASURED
+) -> list[tuple[str, Candidate]]:
+    """The single changes that make an infeasible request feasible, the smallest of each
+    kind: more devices, a larger accuracy budget, offloading, a smaller batch, a shorter
+    prompt, a looser latency target."""
+    tries: list[tuple[str, str, Hardware, Request]] = []  # (kind, change, hardware, request)
     for n in (hw.count + 1, hw.count * 2, hw.count * 4, hw.count * 8):
-        tries.append((f"{n} devices instead of {hw.count}", hw.with_count(n), request))
+        tries.append(("devices", f"{n} devices instead of {hw.count}", hw.with_count(n), request))
     if request.max_ppl_increase is not None:
         for name in sorted(PRIORS, key=PRIORS.__getitem__):
             if PRIORS[name] > request.max_ppl_increase and name in FORMATS:
                 formats = tuple(dict.fromkeys((*request.formats, name)))
-                tries.append((f"accuracy budget {PRIORS[name]:.1%} ({name}, prior)", hw,
+                tries.append(("accuracy", f"accuracy budget {PRIORS[name]:.1%} ({name}, prior)", hw,
                               replace(request, max_ppl_increase=PRIORS[name], formats=formats)))  # fmt: skip
     if not request.allow_offload:
-        tries.append(("allow offloading weights", hw, replace(request, allow_offload=True)))
+        tries.append(
+            ("offload", "allow offloading weights", hw, replace(request, allow_offload=True))
+        )
     b = request.batch // 2
     while b >= 1:
-        tries.append((f"batch {b} instead of {request.batch}", hw, replace(request, batch=b)))
+        tries.append(
+            ("batch", f"batch {b} instead of {request.batch}", hw, replace(request, batch=b))
+        )
         b //= 2
     p = request.prompt_len // 2
     while p >= 64:
-        tries.append((f"prompt of {p} tokens instead of {request.prompt_len}", hw,
+        tries.append(("prompt", f"prompt of {p} tokens instead of {request.prompt_len}", hw,
                       replace(request, prompt_len=p)))  # fmt: skip
         p //= 2
     found: list[tuple[str, Candidate]] = []
     seen: set[str] = set()
-    for what, h, r in tries:
-        kind = what.split(" ")[1] if what[0].isdigit() else what.split(" ")[0]
+    for kind, change, h, r in tries:
         if kind in seen:
             continue
-        got = plan(arch, h, r, relax=False)
+        got = plan(arch, h, r, relax=False, known=known)
         if got.feasible:
-            found.append((what, got.best))
+            found.append((change, got.best))
             seen.add(kind)
-    looser = plan(arch, hw, replace(request, max_ms_per_token=None, max_ttft_ms=None), relax=False)
-    if looser.feasible and (request.max_ms_per_token or request.max_ttft_ms):
-        est = looser.best.estimate
-        found.append((f"latency target {est.ms_per_token:.0f} ms/token, "
-                      f"{est.ttft_ms:.0f} ms to first token", looser.best))  # fmt: skip
+    if request.max_ms_per_token or request.max_ttft_ms:
+        unbounded = replace(request, max_ms_per_token=None, max_ttft_ms=None)
+        looser = plan(arch, hw, unbounded, relax=False, known=known)
+        if looser.feasible:
+            est = looser.best.estimate
+            found.append((f"latency target {est.ms_per_token:.0f} ms/token, "
+                          f"{est.ttft_ms:.0f} ms to first token", looser.best))  # fmt: skip
     return found
 
 
