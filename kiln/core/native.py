@@ -69,7 +69,8 @@ def compiler() -> str:
 
 
 @functools.cache
-def _compiler_version(cxx: str) -> str:
+def compiler_version(cxx: str) -> str:
+    """``cxx --version``'s text (cached): part of every build key."""
     out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True)
     return out.stdout.strip()
 
@@ -81,11 +82,6 @@ def header_digest(paths: Sequence[Path]) -> str:
         if path.exists():
             h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
-
-
-def compiler_version(cxx: str) -> str:
-    """``cxx --version``'s text (cached): part of every build key."""
-    return _compiler_version(cxx)
 
 
 def import_extension(name: str, path: Path) -> ModuleType:
@@ -114,7 +110,7 @@ def extension_key(sources: Sequence[Path], flags: Sequence[str]) -> str:
     for part in (
         *(path.read_text() for path in sources),
         " ".join(flags),
-        _compiler_version(compiler()),
+        compiler_version(compiler()),
         " ".join(cpu_flags()),
         isa(),
         torch.__version__,

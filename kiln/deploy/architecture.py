@@ -153,7 +153,7 @@ def read_architecture(model: str) -> Architecture:
 
 def _read(model: str) -> Architecture:
     if model in load.CATALOG and not Path(model).exists():
-        path = load.CATALOG[model]()  # RealModelMissing names the pip command
+        path = load.resolve(model)  # its LoadError names the pip command
         return _from_gguf(path, f"{model} ({path})")
     path = Path(model).expanduser()
     if not path.exists():

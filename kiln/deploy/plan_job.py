@@ -42,22 +42,17 @@ def plan_deployment(
 def checkpoint_bytes(model: str) -> int:
     """Bytes of the checkpoint file(s) kiln's loader maps for ``model`` (0 for a config-only
     model: nothing is loaded)."""
-    from kiln.models.load import CATALOG
+    from kiln.models.load import LoadError, resolve
 
-    path = Path(model)
-    if not path.exists() and model in CATALOG:
-        from kiln.models import catalog
-
-        path = Path(catalog.smollm2_gguf_path())
+    try:
+        path = resolve(model)
+    except LoadError:  # a config.json-style file: planned on paper, never loaded
+        return 0
     if path.is_file():
-        return 0 if path.suffix == ".json" else path.stat().st_size
-    if path.is_dir():
-        return sum(
-            f.stat().st_size
-            for f in path.iterdir()
-            if f.suffix in (".safetensors", ".bin", ".gguf")
-        )
-    return 0
+        return path.stat().st_size
+    return sum(
+        f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")
+    )
 
 
 def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:

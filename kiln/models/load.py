@@ -63,7 +63,7 @@ def load_model(
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
-    where = _resolve(path)
+    where = resolve(path)
     tokenizer = None
     if where.is_dir():
         cfg = hf.read_config(where)
@@ -84,7 +84,7 @@ def load_model(
     return LoadedModel(model.to(device), cfg, tokenizer, str(where))
 
 
-def _resolve(path: str | Path) -> Path:
+def resolve(path: str | Path) -> Path:
     """The folder or GGUF file ``path`` names (a catalog name is looked up first)."""
     if isinstance(path, str) and path in CATALOG and not Path(path).exists():
         try:
