@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from kiln.models.transformer import Transformer
+
 FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -38,12 +40,31 @@ class Measured:
     engine: str
 
 
+def store_in_format(model: Transformer, fmt: str) -> Transformer:
+    """Store ``model``'s block weights in the plan format ``fmt`` in place: bf16, or kiln's
+    INT8 / INT4 kernels (then the head too is INT8, as ``kiln generate`` runs a compressed
+    model); fp32 leaves it as it is."""
+    from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
+    from kiln.llm.fast_decoder import quantize_head_
+
+    if fmt in FORMAT_DTYPES:
+        return model.to(FORMAT_DTYPES[fmt])
+    blocks = lambda _m, name: name.startswith("layers.")  # noqa: E731
+    if fmt == "int8":
+        quantize_(model, Int8WeightOnly(), filter_fn=blocks)
+    elif fmt.startswith("int4-g"):
+        quantize_(model, Int4WeightOnly(group_size=int(fmt[len("int4-g") :])), filter_fn=blocks)
+    else:
+        raise ValueError(f"kiln cannot store weights as {fmt!r} on this CPU")
+    quantize_head_(model, Int8WeightOnly())
+    return model
+
+
 def run_layout(
     model: str, layout: dict[str, Any], fmt: str, prompt_len: int, gen_len: int
 ) -> dict[str, Any]:
     """Execute in this process; return the timings (no memory figure: see ``measure``)."""
-    from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
-    from kiln.deploy.generate_job import GenerateRequest, choose_decoder, prepare
+    from kiln.deploy.generate_job import GenerateRequest, choose_decoder
     from kiln.llm.generate import EagerDecoder, Sampling, generate
     from kiln.models.load import load_model
 
@@ -52,13 +73,8 @@ def run_layout(
     batch = int(layout["batch"])
     loaded = load_model(model, FORMAT_DTYPES.get(fmt, torch.float32), packed=False,
                         with_tokenizer=False)  # fmt: skip
-    blocks = lambda _m, name: name.startswith("layers.")  # noqa: E731
-    if fmt == "int8":
-        quantize_(loaded.model, Int8WeightOnly(), filter_fn=blocks)
-    elif fmt.startswith("int4-g"):
-        quantize_(loaded.model, Int4WeightOnly(group_size=int(fmt[6:])), filter_fn=blocks)
+    store_in_format(loaded.model, fmt)
     request = GenerateRequest(checkpoint=model, prompt="", head="auto")
-    prepare(loaded, request)  # INT8 head when the blocks are compressed, as kiln generate does
     gen_tokens = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, loaded.config.vocab_size, (batch, prompt_len), generator=gen_tokens)
     max_len = prompt_len + gen_len

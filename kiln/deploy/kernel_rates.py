@@ -39,25 +39,14 @@ def _model(fmt: str) -> Transformer:
     """A random-weight transformer of SmolLM2's block shapes (30 layers, hidden 576), its
     blocks stored in ``fmt`` (kiln's kernels), its head INT8 when the blocks are compressed
     (as ``kiln generate`` runs a compressed model)."""
-    from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
-    from kiln.llm.fast_decoder import quantize_head_
+    from kiln.deploy.execute import store_in_format
     from kiln.models.config import ModelConfig
 
     cfg = ModelConfig(family="llama", vocab_size=4096, hidden_size=576, n_layers=30,
                       n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536,
                       max_positions=256)  # fmt: skip
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
-    if fmt == "bf16":
-        return model.to(torch.bfloat16)
-    blocks = lambda _m, name: name.startswith("layers.")  # noqa: E731
-    if fmt == "int8":
-        quantize_(model, Int8WeightOnly(), filter_fn=blocks)
-    elif fmt.startswith("int4-g"):
-        quantize_(model, Int4WeightOnly(group_size=int(fmt[len("int4-g") :])), filter_fn=blocks)
-    if fmt != "fp32":
-        quantize_head_(model, Int8WeightOnly())
-    return model
+    return store_in_format(Transformer(cfg).eval(), fmt)
 
 
 def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
