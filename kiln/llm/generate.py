@@ -198,6 +198,7 @@ def generate(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampler = Sampler(sampling)
+    advance = _advancer(decoder)
     stops = torch.tensor(stop_ids, dtype=torch.long)
     t0 = time.perf_counter()
     logits = decoder.prefill(prompt)[:, -1]  # (B, V)
@@ -211,7 +212,7 @@ def generate(
     pos = prompt.shape[1]  # `token` sits at pos, not yet fed
     while len(out) < max_new_tokens and not bool(done.all()):
         t = time.perf_counter()
-        new, new_logits = _advance(decoder, token, pos, max_new_tokens - len(out), sampler)
+        new, new_logits = advance(token, pos, max_new_tokens - len(out), sampler)
         share = (time.perf_counter() - t) / new.shape[1]
         for i in range(new.shape[1]):
             token = torch.where(done, token, new[:, i])
@@ -232,15 +233,28 @@ def generate(
     )  # fmt: skip
 
 
-def _advance(
-    decoder: Decoder | MultiTokenDecoder, token: Tensor, pos: int, limit: int, sampler: Sampler
-) -> tuple[Tensor, Tensor]:
-    """The next 1 to ``limit`` tokens (B, n) after ``token`` at ``pos`` and their logits."""
+Advance = Callable[[Tensor, int, int, Sampler], tuple[Tensor, Tensor]]
+
+
+def _advancer(decoder: Decoder | MultiTokenDecoder) -> Advance:
+    """``advance(token, pos, limit, sampler)`` -> the next 1 to ``limit`` tokens (B, n) after
+    ``token`` at ``pos`` and their logits (B, n, V); chosen once per generation (a Protocol
+    isinstance check is not free on the per-token path)."""
     if isinstance(decoder, MultiTokenDecoder):
-        new, logits = decoder.advance(token, pos, limit, sampler)
-        if not 1 <= new.shape[1] <= limit:
-            raise RuntimeError(f"{type(decoder).__name__} emitted {new.shape[1]} tokens, "
-                               f"not 1 to {limit}")  # fmt: skip
-        return new, logits
-    logits = decoder.step(token, pos)  # (B, V)
-    return sampler.choose(logits)[:, None], logits[:, None]
+        multi = decoder
+
+        def advance(token: Tensor, pos: int, limit: int, sampler: Sampler) -> tuple[Tensor, Tensor]:
+            new, logits = multi.advance(token, pos, limit, sampler)
+            if not 1 <= new.shape[1] <= limit:
+                raise RuntimeError(f"{type(multi).__name__} emitted {new.shape[1]} tokens, "
+                                   f"not 1 to {limit}")  # fmt: skip
+            return new, logits
+
+        return advance
+    single = decoder
+
+    def step(token: Tensor, pos: int, limit: int, sampler: Sampler) -> tuple[Tensor, Tensor]:
+        logits = single.step(token, pos)  # (B, V)
+        return sampler.choose(logits)[:, None], logits[:, None]
+
+    return step
