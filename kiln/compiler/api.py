@@ -257,7 +257,7 @@ def _verify(
 def _locate_divergence(compiled: CompiledModule, prog: Program, inputs: tuple[Tensor, ...]) -> str:
     """Name the first kernel whose result differs from the reference, by recompiling a
     debug variant that also returns every kernel's outputs."""
-    from kiln.compiler.exec.verify import compare
+    from kiln.core.compare import compare
 
     ref_outs, env = ReferenceExecutor(prog).run_all(list(inputs))
     del ref_outs

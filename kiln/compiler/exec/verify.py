@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.core.compare import RTOL_TO_MAX, Comparison, compare
-
-__all__ = ["RTOL_TO_MAX", "Comparison", "compare", "compare_all"]
+from kiln.core.compare import Comparison, compare
 
 
 def compare_all(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> list[Comparison]:
