@@ -4,6 +4,9 @@
 
 * a catalog name ("smollm2"): resolved as ``kiln.models.load`` resolves it (the GGUF file of
   an installed package);
+* the name of a published configuration kiln ships (``PUBLISHED``: "glm-130b",
+  "llama-2-70b", "qwen2-0.5b", "qwen2-1.5b"; the files are in ``kiln/deploy/configs/``),
+  for planning models far beyond this machine without a file of one's own;
 * a ``.gguf`` file: ``kiln.models.gguf.open_reader`` + ``read_config`` parse the header and
   the tensor table only (memory-mapped; no tensor data is touched);
 * a folder holding ``config.json`` (a Hugging Face checkpoint, or one ``kiln compress``
@@ -142,6 +145,18 @@ class Architecture:
         )  # fmt: skip
 
 
+CONFIGS = Path(__file__).parent / "configs"
+PUBLISHED = tuple(sorted(p.stem for p in CONFIGS.glob("*.json")))
+
+
+def published_config(name: str) -> Path | None:
+    """The shipped config file of a published model named ``name`` (None when ``name`` is
+    no such model, or is an existing path: a user's own file always wins)."""
+    if name not in PUBLISHED or Path(name).exists():
+        return None
+    return CONFIGS / f"{name}.json"
+
+
 def read_architecture(model: str) -> Architecture:
     """The shape of MODEL: a catalog name, a ``.gguf`` file, a folder holding config.json,
     or a JSON config file (Hugging Face, or GLM's SAT-style keys). Reads no weights."""
@@ -152,13 +167,17 @@ def read_architecture(model: str) -> Architecture:
 
 
 def _read(model: str) -> Architecture:
+    published = published_config(model)
+    if published is not None:
+        return _from_json(published, model, str(published))
     if model in load.CATALOG and not Path(model).exists():
         path = load.resolve(model)  # its LoadError names the pip command
         return _from_gguf(path, f"{model} ({path})")
     path = Path(model).expanduser()
     if not path.exists():
         raise ArchitectureError(
-            f"{path}: no such file or folder (nor a catalog name: {', '.join(load.CATALOG)})"
+            f"{path}: no such file or folder (nor a catalog name: {', '.join(load.CATALOG)}; "
+            f"nor a published config: {', '.join(PUBLISHED)})"
         )
     if path.is_dir():
         config = path / "config.json"

@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 import torch
 
+from kiln.deploy import architecture
 from kiln.deploy.architecture import Architecture, ArchitectureError, Linear, read_architecture
 from kiln.models import catalog, hf
 from kiln.models.transformer import Transformer
 from tests.quality.conftest import requires_smollm2
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = architecture.CONFIGS
 
 # Gemma-2-2B's published Hugging Face config (2.61B parameters): sliding layers alternate.
 GEMMA2_2B: dict[str, Any] = {
@@ -204,3 +205,17 @@ def test_bad_glm_values(tmp_path: Path) -> None:
         read_architecture(str(_write(tmp_path, {**raw, "num_layers": "70"})))
     with pytest.raises(ArchitectureError, match="activation 'gelu'"):
         read_architecture(str(_write(tmp_path, {**raw, "activation": "gelu"})))
+
+
+def test_published_configs_are_read_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    by_name = read_architecture("qwen2-1.5b")
+    by_file = read_architecture(str(CONFIGS / "qwen2-1.5b.json"))
+    assert (by_name.n_layers, by_name.hidden_size, by_name.total_params) == (
+        by_file.n_layers, by_file.hidden_size, by_file.total_params,
+    )  # fmt: skip
+    assert set(architecture.PUBLISHED) >= {"glm-130b", "llama-2-70b", "qwen2-0.5b"}
+    own = tmp_path / "qwen2-1.5b"  # a user's own folder of that name wins over the shipped file
+    own.mkdir()
+    (own / "config.json").write_text((CONFIGS / "qwen2-0.5b.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    assert read_architecture("qwen2-1.5b").n_layers == 24

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import shlex
-from pathlib import Path
 
 import pytest
 
+from kiln.deploy import architecture
 from kiln.deploy.architecture import read_architecture
 from kiln.deploy.emit import emit
 from kiln.deploy.hardware import parse_hardware
 from kiln.deploy.plan_schema import plan_to_dict
 from kiln.deploy.planner import Request, plan
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = architecture.CONFIGS
 GLM = str(CONFIGS / "glm-130b.json")
 
 

@@ -17,12 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from kiln.deploy import architecture
 from kiln.deploy.architecture import read_architecture
 from kiln.deploy.hardware import parse_hardware
 from kiln.deploy.plan_schema import PlanError, check_plan, load_plan, plan_to_dict
 from kiln.deploy.planner import Request, evaluate, layouts, plan
 
-CONFIGS = Path(__file__).parent / "configs"
+CONFIGS = architecture.CONFIGS
 GLM = read_architecture(str(CONFIGS / "glm-130b.json"))
 LLAMA70 = read_architecture(str(CONFIGS / "llama-2-70b.json"))
 # GLM-130B's published figures are for serving its full 2048-token sequence.
