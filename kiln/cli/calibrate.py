@@ -10,23 +10,35 @@ from rich.table import Table
 from kiln.cli._console import console
 
 
-def calibrate(threads: Annotated[int, typer.Option(help="threads to calibrate for")] = 2) -> None:
+def calibrate(
+    threads: Annotated[
+        str,
+        typer.Option(
+            help="thread counts to time kiln's engines at, comma-separated "
+            "(a CPU plan of R ranks runs each with cores // R threads)"
+        ),
+    ] = "2,1",
+) -> None:
     """Measure peak GFLOP/s, memory bandwidth and per-kernel fixed cost on this machine (the
-    compiler's cost model reads them), and how fast kiln's decode step streams weights in
-    each format at 1 and 4 rows (the planner reads those for --hardware cpu). Both are
-    cached; this refreshes them."""
+    compiler's cost model reads them), and the cost of each engine kiln decodes with, per
+    weight format: a fixed time per block plus weight bytes (decode) or FLOPs (prefill) at
+    a measured rate, for the C++ step, the eager module, the disk-streamed module and a
+    gloo all-reduce between two ranks (the planner prices --hardware cpu plans with these).
+    Both are cached; this refreshes them."""
     from kiln.core.calibrate import load_profile
     from kiln.deploy.kernel_rates import load_rates
 
+    counts = [int(t) for t in threads.split(",") if t.strip()]
     with console.status("calibrating the hardware profile"):
-        profile = load_profile(threads=threads, refresh=True)
+        profile = load_profile(threads=counts[0], refresh=True)
     console.print(profile)
-    with console.status("timing kiln's decode step in each weight format"):
-        rates = load_rates(threads=threads, refresh=True)
-    table = Table(
-        "format",
-        *(f"{rows} row{'s' if rows > 1 else ''} GB/s" for rows in next(iter(rates.values()))),
-    )
-    for fmt, by in rates.items():
-        table.add_row(fmt, *(f"{v:.1f}" for v in by.values()))
-    console.print(table)
+    for n in counts:
+        with console.status(f"timing kiln's engines at {n} thread(s)") as status:
+            rates = load_rates(threads=n, refresh=True, note=lambda text: status.update(text))
+        table = Table(f"engine ({n} thread{'s' if n > 1 else ''})", "rows", "rate", "per block")
+        for engine, by in rates.items():
+            unit = "GFLOP/s" if engine.startswith("prefill") else "GB/s"
+            for rows, cost in by.items():
+                fixed = f"{cost.layer_s * 1e6:.1f} us"
+                table.add_row(engine, str(rows), f"{cost.rate:.1f} {unit}", fixed)
+        console.print(table)

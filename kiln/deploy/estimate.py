@@ -18,12 +18,13 @@ transfer of offloaded weights, overlapped with compute.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from kiln.deploy import estimate_cpu
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
-from kiln.deploy.kernel_rates import rate_at
+from kiln.deploy.kernel_rates import Rates
 
 
 @dataclass(frozen=True)
@@ -111,12 +112,15 @@ class Measurements:
     """What kiln knows of this model and machine beyond their datasheets.
 
     checkpoint_bytes  the checkpoint file(s) the loader maps (resident while read)
-    rates             GB/s of weight bytes kiln's decode step streams per format and batch
-                      rows on this CPU (``kernel_rates``), replacing the roofline's guess
+    rates             this CPU's measured engine costs (``kernel_rates``) per thread count:
+                      a plan of R ranks is priced with the table at ``cores // R`` threads
+                      (``estimate_cpu``), replacing the roofline's guess
+    cores             the cores the ranks share
     """
 
     checkpoint_bytes: int = 0
-    rates: Mapping[str, Mapping[int, float]] | None = None
+    rates: Mapping[int, Rates] | None = None
+    cores: int = 2
 
 
 NOTHING_MEASURED = Measurements()
@@ -139,9 +143,11 @@ def estimate(
         head_w = (arch.head_params or arch.embedding_params) * 1
     stages = stage_layers(arch.n_layers, pp)
     # the busiest stage: the largest layer count, plus the embedding (first) or head (last)
+    # kiln shards the blocks only: every rank of the first stage holds the whole embedding,
+    # every rank of the last the whole head (a tied head: the embedding again, when pp > 1)
     stage_w = [n * layer_w / tp for n in stages]
-    stage_w[0] += embed_w / tp
-    stage_w[-1] += (head_w if head_w else (embed_w if pp > 1 else 0)) / tp
+    stage_w[0] += embed_w
+    stage_w[-1] += head_w if head_w else (embed_w if pp > 1 else 0)
     device_w = int(max(stage_w))
     kv_heads = max(1, math.ceil(arch.n_kv_heads / tp))  # replicated when fewer than tp
     kv_per_layer = [
@@ -162,14 +168,30 @@ def estimate(
         offloaded = int(max(0.0, device_w - max(resident_budget, 0.0)))
     resident = device_w - offloaded
     total_w = int(arch.n_layers * layer_w + embed_w + head_w)
-    run_peak = resident * (1 + FRAGMENTATION) + dynamic
-    if kind == "cpu":  # the process is the device: its load-time peak counts too
-        run_peak = max(run_peak, _cpu_load_peak(arch, total_w, known.checkpoint_bytes))
-    peak_device = int(fixed + run_peak)
+    peak_device = int(fixed + resident * (1 + FRAGMENTATION) + dynamic)
+    if kind == "cpu":  # the ranks are processes of this host: their peaks add up
+        per_stage_kv = [kv * layout.act_bytes for kv in _stage_sums(kv_per_layer, stages)]
+        peak_device = _cpu_peak_bytes(
+            arch, layout, stages, stage_w, per_stage_kv, act + workspace, layer_w, total_w,
+            known.checkpoint_bytes,
+        )  # fmt: skip
     peak_host = _host_bytes(hw, layout, offloaded, device_w)
     head_read = head_w or embed_w  # a tied head reads the embedding table whole
-    ms = _decode_ms(arch, hw, layout, layer_w, head_read, stages, kv_per_layer, offloaded, known)
-    ttft = _prefill_ms(arch, hw, layout, total_w, known)
+    ms, ttft = None, None
+    rates = estimate_cpu.tables_for(known.rates, known.cores, tp * pp) if kind == "cpu" else None
+    if rates is not None:
+        run = estimate_cpu.CpuRun(
+            fmt.name, tp, pp, b, layout.prompt_len, layout.context, layout.offload,
+            layout.act_bytes, stages, layer_w, head_read,
+        )  # fmt: skip
+        ms, ttft = (
+            estimate_cpu.decode_ms(arch, run, rates),
+            estimate_cpu.prefill_ms(arch, run, rates),
+        )
+    if ms is None:
+        ms = _decode_ms(arch, hw, layout, layer_w, head_read, stages, kv_per_layer, offloaded)
+    if ttft is None:
+        ttft = _prefill_ms(arch, hw, layout, total_w)
     return Estimate(
         layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
         ms, ttft, capacity,
@@ -223,6 +245,31 @@ def _cpu_load_peak(arch: Architecture, stored: int, checkpoint_bytes: int) -> fl
     return arch.total_params * 4 + stored + checkpoint_bytes
 
 
+def _cpu_peak_bytes(
+    arch: Architecture,
+    layout: Layout,
+    stages: list[int],
+    stage_w: Sequence[float],
+    stage_kv: Sequence[float],
+    scratch: float,
+    layer_w: float,
+    total_w: int,
+    checkpoint_bytes: int,
+) -> int:
+    """The host's peak on a CPU: every rank process at the larger of its load-time and its
+    running peak (runtime, resident weights, KV cache, activations and scratch), plus the
+    launcher process when there are several ranks. A plan that streams its blocks from disk
+    keeps none of them resident."""
+    reserve = RUNTIME_RESERVE["cpu"]
+    load = _cpu_load_peak(arch, total_w, checkpoint_bytes)
+    total = reserve if layout.tp * layout.pp > 1 else 0.0
+    for layers, weights, kv in zip(stages, stage_w, stage_kv, strict=True):
+        resident = weights - (layers * layer_w / layout.tp if layout.offload != "none" else 0)
+        run = (resident + kv + scratch) * (1 + FRAGMENTATION)  # kv: this rank's heads
+        total += layout.tp * (reserve + max(run, load))
+    return int(total)
+
+
 def _host_bytes(hw: Hardware, layout: Layout, offloaded: int, device_w: int) -> int:
     """Host memory: the runtime, the offloaded weights kept in RAM (host offload), and, at
     load, one tensor-sized staging buffer per device (weights stream from the checkpoint
@@ -245,34 +292,26 @@ def _decode_ms(
     stages: list[int],
     kv_per_layer: list[int],
     offloaded: int,
-    known: Measurements,
 ) -> float:
-    """One decode step: per layer the larger of its reads (weights and KV cache) over the
-    bandwidth and its FLOPs over the peak, two all-reduces under TP; the head; stage-to-stage
-    sends under PP; offloaded weights streamed alongside. On a CPU with measured ``rates``,
-    weights stream at kiln's measured rate for the format and batch instead."""
+    """One decode step on the roofline: per layer the larger of its reads (weights and KV
+    cache) over the bandwidth and its FLOPs over the peak, two all-reduces under TP; the
+    whole head (kiln does not shard it); stage-to-stage sends under PP and the logits
+    broadcast to every rank; offloaded weights streamed alongside, overlapped."""
     dev, kind = hw.device, hw.device.kind
     tp, b = layout.tp, layout.batch
     bw = dev.bandwidth_gbs * 1e9 * BANDWIDTH_EFFICIENCY[kind]
-    # offloaded CPU plans run the eager module (the fast step needs resident weights)
-    engine = (
-        layout.fmt.name if layout.offload == "none" or kind != "cpu" else f"eager-{layout.fmt.name}"
-    )
-    measured = rate_at(known.rates, engine, b) if known.rates else None
-    weight_bw = measured * 1e9 / tp if measured else bw  # CPU ranks share one memory
     peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind]
     attn = 2 * arch.head_dim * arch.n_heads * layout.context
     flops_layer = 2 * b * (arch.params_per_layer + attn)
     ms = 0.0
     for layer in range(sum(stages)):
         kv_read = kv_per_layer[layer] * layout.act_bytes / tp
-        if measured:  # the measured step already includes its arithmetic
-            ms += (layer_w / tp / weight_bw + kv_read / bw) * 1e3
-        else:
-            ms += max((layer_w / tp + kv_read) / bw, flops_layer / tp / peak) * 1e3
+        ms += max((layer_w / tp + kv_read) / bw, flops_layer / tp / peak) * 1e3
         ms += 2 * _allreduce_ms(hw, b * arch.hidden_size * layout.act_bytes, tp)
-    ms += head_read / tp / weight_bw * 1e3 + _allreduce_ms(hw, b * arch.vocab_size * 4, tp)
+    ms += max(head_read / bw, 2 * b * arch.vocab_size * arch.hidden_size / peak) * 1e3
     ms += (layout.pp - 1) * _p2p_ms(hw, b * arch.hidden_size * layout.act_bytes)
+    if layout.devices > 1:
+        ms += _p2p_ms(hw, b * arch.vocab_size * 4)  # the logits, to every rank
     if offloaded:  # streamed every token, overlapped with the rest of the step
         link = hw.host_link.bandwidth_gbs if layout.offload == "host" else hw.disk_read_gbs
         if kind == "cpu" and hw.host_memory_bytes > 2 * offloaded * layout.devices:
@@ -281,21 +320,16 @@ def _decode_ms(
     return ms
 
 
-def _prefill_ms(
-    arch: Architecture, hw: Hardware, layout: Layout, total_w: int, known: Measurements
-) -> float:
-    """Time to first token: the prompt's FLOPs at the compute rate (kiln's measured prefill
-    rate for the format on this CPU, else the peak at a stated efficiency) or its weight
-    reads, whichever is longer, plus TP all-reduces and PP sends of the activations."""
+def _prefill_ms(arch: Architecture, hw: Hardware, layout: Layout, total_w: int) -> float:
+    """Time to first token on the roofline: the prompt's FLOPs at the peak (at a stated
+    efficiency) or its weight reads, whichever is longer, plus TP all-reduces and PP sends
+    of the activations."""
     kind = hw.device.kind
     tokens = layout.batch * layout.prompt_len
     flops = 2 * tokens * arch.total_params + 2 * arch.n_layers * layout.batch * (
         2 * arch.n_heads * arch.head_dim * layout.prompt_len**2
     )
     peak = _peak_flops(hw, layout.fmt.compute) * COMPUTE_EFFICIENCY[kind] * layout.tp
-    measured = rate_at(known.rates, f"prefill-{layout.fmt.name}", tokens) if known.rates else None
-    if measured:
-        peak = measured * 1e9  # GFLOP/s of the whole process (CPU ranks share the cores)
     read = (
         total_w
         / layout.pp

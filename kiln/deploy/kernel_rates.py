@@ -1,15 +1,31 @@
-"""How fast kiln's decode-step kernels stream weights on this CPU, per weight format.
+"""How fast kiln's engines run on this CPU, per weight format: the planner's measured costs.
 
-The CPU cost model needs more than the machine's bandwidth: each kernel family (fp32 and
-16-bit GEMV, INT8 and INT4 weight-only) reaches its own share of it, and the share moves
-with the number of activation rows. ``measure_rates`` times kiln's whole decode step (the
-C++ ``FastDecoder``) on a random-weight model of SmolLM2's block shapes in each format,
-larger than the last-level cache in every format, so its weights stream from memory as in
-a real step; the figure is the weight bytes one step reads per second. ``eager-<format>``
-entries time the eager module instead (batch 1), the engine of plans that stream their
-blocks from disk; ``prefill-<format>`` entries are GFLOP/s of a 64-token prefill. ``load_rates`` caches
-the table per CPU (model name and ISA flags) and thread count; ``kiln calibrate`` refreshes
-it.
+A datasheet bandwidth says little about a decode step: each kernel family (fp32 and 16-bit
+GEMV, INT8 and INT4 weight-only) reaches its own share of it, the share moves with the
+number of activation rows, and every block also pays a fixed cost (dispatch, norms,
+rotary embedding, attention at a short context) that a narrow model feels more than a wide
+one. So each engine's time is modelled as
+
+    t = layers x layer_s + amount / rate
+
+(``amount``: weight bytes for a decode step, dense FLOPs for a prefill) and both terms are
+*measured*: the engine is timed on two random-weight models of the same format, one of many
+narrow blocks (SmolLM2's shape) and one of a few wide ones (a 1.5B model's), and the two
+equations are solved for ``layer_s`` and ``rate`` (``fit``). Engines (``Cost`` per engine
+and rows):
+
+* ``fast-<fmt>``: kiln's C++ decode step (``FastDecoder``), 1 and 4 rows;
+* ``eager-<fmt>``: the eager module's decode step, 1 and 4 rows (the engine of every
+  tensor- / pipeline-parallel rank);
+* ``offload-<fmt>``: the eager module with its blocks streamed from a disk store
+  (``kiln.llm.offload``), 1 and 4 rows;
+* ``prefill-<fmt>``: a prompt through the eager module, 64 and 256 rows, in GFLOP/s;
+* ``gloo``: a collective between two ranks of this host (all-reduce, broadcast, send),
+  ``rate`` in GB/s and ``layer_s`` the per-message latency.
+
+``load_rates(threads)`` caches the table per CPU (model name and ISA flags) and thread count
+(a tensor-parallel rank runs with ``cores // ranks`` threads, so its table is another);
+``kiln calibrate`` refreshes it.
 """
 
 from __future__ import annotations
@@ -17,8 +33,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
@@ -26,55 +46,66 @@ from kiln.core.cache import cache_dir
 from kiln.core.hardware import cpu_model
 from kiln.core.native import cpu_flags
 from kiln.llm.generate import Decoder
+from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
 
 FORMATS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
-ROWS = (1, 4)
-PREFILL_TOKENS = 64  # prompts over 32 rows prefill through the eager module
+DECODE_ROWS = (1, 4)
+PREFILL_ROWS = (64, 256)  # one 64-token prompt, and four
+VERSION = 2  # of the cached table's layout; an older file is measured again
 
-Rates = Mapping[str, Mapping[int, float]]  # format -> rows -> GB/s of weight bytes
+# The two calibration shapes: many narrow blocks (SmolLM2's), a few wide ones (a 1.5B
+# model's), the same small vocabulary; both larger than the last-level cache in every format.
+NARROW = ModelConfig(family="llama", vocab_size=4096, hidden_size=576, n_layers=24, n_heads=9,
+                     n_kv_heads=3, head_dim=64, intermediate_size=1536, max_positions=320)  # fmt: skip
+WIDE = ModelConfig(family="llama", vocab_size=4096, hidden_size=1536, n_layers=4, n_heads=12,
+                   n_kv_heads=2, head_dim=128, intermediate_size=6144, max_positions=320)  # fmt: skip
 
 
-def _model(fmt: str) -> Transformer:
-    """A random-weight transformer of SmolLM2's block shapes (30 layers, hidden 576), its
-    blocks stored in ``fmt`` (kiln's kernels), its head INT8 when the blocks are compressed
-    (as ``kiln generate`` runs a compressed model)."""
+@dataclass(frozen=True)
+class Cost:
+    """An engine's measured cost: ``rate`` per second (GB/s of weights for a step, GFLOP/s
+    for a prefill, GB/s of message for a collective) and a fixed ``layer_s`` per block
+    (per message for a collective)."""
+
+    rate: float
+    layer_s: float
+
+    def seconds(self, amount: float, layers: int = 1) -> float:
+        """Time for ``amount`` (bytes or FLOPs) over ``layers`` blocks."""
+        return layers * self.layer_s + amount / (self.rate * 1e9)
+
+
+Rates = Mapping[str, Mapping[int, Cost]]  # engine -> rows -> cost
+
+
+def fit(narrow: tuple[int, float, float], wide: tuple[int, float, float]) -> Cost:
+    """Solve ``t = layers x layer_s + amount / rate`` through two (layers, amount, seconds)
+    timings. Timing noise can make the fixed term come out negative (the narrow model ran
+    relatively fast): then it is 0 and the rate is the two runs' combined amount over time."""
+    (l1, a1, t1), (l2, a2, t2) = narrow, wide
+    det = l1 * a2 - l2 * a1
+    layer_s = (t1 * a2 - t2 * a1) / det if det else 0.0
+    per_unit = (t2 - l2 * layer_s) / a2
+    if layer_s < 0 or per_unit <= 0:
+        layer_s, per_unit = 0.0, (t1 + t2) / (a1 + a2)
+    return Cost(1 / per_unit / 1e9, layer_s)
+
+
+def _model(cfg: ModelConfig, fmt: str) -> Transformer:
+    """A random-weight transformer of ``shape``, blocks stored in ``fmt`` as a plan stores
+    them (``execute.store_in_format``: kiln's kernels, an INT8 head when compressed)."""
     from kiln.deploy.execute import store_in_format
-    from kiln.models.config import ModelConfig
 
-    cfg = ModelConfig(family="llama", vocab_size=4096, hidden_size=576, n_layers=30,
-                      n_heads=9, n_kv_heads=3, head_dim=64, intermediate_size=1536,
-                      max_positions=256)  # fmt: skip
     torch.manual_seed(0)
     return store_in_format(Transformer(cfg).eval(), fmt)
 
 
-def measure_rates(threads: int = 2) -> dict[str, dict[int, float]]:
-    """GB/s of weight bytes kiln's whole decode step streams, per format and batch rows:
-    the bytes one step reads (``weight_bytes_per_token``) over the step's best median time."""
-    from kiln.deploy.generate_job import weight_bytes_per_token
-    from kiln.llm.fast_decoder import FastDecoder
-    from kiln.llm.generate import EagerDecoder
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    out: dict[str, dict[int, float]] = {}
-    # FLOPs count the dense parameters (compressed layers keep their weights as buffers)
-    dense_params = sum(p.numel() for p in _model("fp32").parameters())
-    try:
-        for fmt in FORMATS:
-            model = _model(fmt)
-            nbytes = weight_bytes_per_token(model)
-            out[fmt] = {
-                rows: nbytes / step_seconds(FastDecoder(model, rows, 64), rows, 16, 3) / 1e9
-                for rows in ROWS
-            }
-            eager = step_seconds(EagerDecoder(model, 1, 64), 1, 8, 2)  # offloaded plans' engine
-            out[f"eager-{fmt}"] = {1: nbytes / eager / 1e9}
-            out[f"prefill-{fmt}"] = {PREFILL_TOKENS: prefill_gflops(model, dense_params)}
-    finally:
-        torch.set_num_threads(before)
-    return out
+def _matmul_params(cfg: ModelConfig) -> int:
+    """Parameters a prefill multiplies by (blocks and head; not the embedding lookup)."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return sum(p.numel() for p in [*model.layers.parameters(), *model.lm_head.parameters()])
 
 
 def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
@@ -92,48 +123,145 @@ def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float
     return best
 
 
-def prefill_gflops(model: Transformer, params: int, tokens: int = PREFILL_TOKENS) -> float:
-    """GFLOP/s of a ``tokens``-token prefill at batch 1 (2 x ``params`` x tokens, ``params``
-    the model's dense parameter count), best of 3."""
+def prefill_seconds(model: Transformer, rows: int, repeats: int = 2) -> float:
+    """Best time of a prefill of ``rows`` prompt tokens (batches of 64-token prompts) through
+    the engine ``kiln generate`` prefills with, after one untimed run."""
     from kiln.deploy.generate_job import GenerateRequest, choose_decoder
 
-    request = GenerateRequest(checkpoint="", prompt="")
+    batch, tokens = max(1, rows // 64), min(rows, 64)
+    dec, _ = choose_decoder(model, GenerateRequest(checkpoint="", prompt=""), batch, tokens + 4)
+    prompt = torch.zeros(batch, tokens, dtype=torch.long)
+    dec.prefill(prompt)
     best = float("inf")
-    for _ in range(3):
-        dec, _ = choose_decoder(model, request, 1, tokens + 4)
+    for _ in range(repeats):
         t0 = time.perf_counter()
-        dec.prefill(torch.zeros(1, tokens, dtype=torch.long))
+        dec.prefill(prompt)
         best = min(best, time.perf_counter() - t0)
-    return 2 * params * tokens / best / 1e9
+    return best
+
+
+Timings = dict[str, dict[int, list[tuple[int, float, float]]]]  # engine -> rows -> points
+
+
+def _record(
+    runs: Timings, engine: str, rows: int, layers: int, amount: float, seconds: float
+) -> None:
+    runs.setdefault(engine, {}).setdefault(rows, []).append((layers, amount, seconds))
+
+
+def measure_rates(
+    threads: int = 2, note: Callable[[str], None] = lambda _: None
+) -> dict[str, dict[int, Cost]]:
+    """Every engine's ``Cost`` per rows on this CPU at ``threads`` threads (a minute or two)."""
+    from kiln.deploy.generate_job import weight_bytes_per_token
+    from kiln.llm.fast_decoder import FastDecoder
+    from kiln.llm.generate import EagerDecoder
+    from kiln.llm.offload import offload_
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out: dict[str, dict[int, Cost]] = {}
+    shapes = (NARROW, WIDE)
+    flops_per_row = [2 * _matmul_params(s) for s in shapes]
+    try:
+        for fmt in FORMATS:
+            note(f"timing the {fmt} engines")
+            runs: Timings = {}
+            timed = partial(_record, runs)
+            for shape, flops in zip(shapes, flops_per_row, strict=True):
+                model, layers = _model(shape, fmt), shape.n_layers
+                nbytes = weight_bytes_per_token(model)
+                for rows in DECODE_ROWS:
+                    fast = step_seconds(FastDecoder(model, rows, 64), rows, 12, 3)
+                    timed(f"fast-{fmt}", rows, layers, nbytes, fast)
+                    eager = step_seconds(EagerDecoder(model, rows, 64), rows, 6, 2)
+                    timed(f"eager-{fmt}", rows, layers, nbytes, eager)
+                for rows in PREFILL_ROWS:
+                    timed(
+                        f"prefill-{fmt}", rows, layers, flops * rows, prefill_seconds(model, rows)
+                    )
+                with tempfile.TemporaryDirectory(prefix="kiln-rates-") as store:
+                    offload_(model, Path(store), tier="disk")
+                    for rows in DECODE_ROWS:
+                        streamed = step_seconds(EagerDecoder(model, rows, 64), rows, 4, 2)
+                        timed(f"offload-{fmt}", rows, layers, nbytes, streamed)
+                    del model
+            for engine, by_rows in runs.items():
+                out[engine] = {rows: fit(*pair) for rows, pair in by_rows.items()}
+    finally:
+        torch.set_num_threads(before)
+    return out
+
+
+def _collective_rank(
+    rank: int, world: int, sizes: tuple[int, ...], repeats: int
+) -> dict[int, float]:
+    """One rank's median all-reduce time per message size (bytes), after a warm-up."""
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        for _ in range(5):
+            dist.all_reduce(buf)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        out[nbytes] = sorted(times)[len(times) // 2]
+    return out
+
+
+def measure_collective(world: int = 2, sizes: tuple[int, int] = (4096, 1 << 20)) -> Cost:
+    """Latency and bandwidth of a gloo all-reduce between ``world`` ranks on this host (the
+    slower rank's median at a small and a large message, ``fit`` through both). Broadcasts
+    and sends of a message cost at most as much, and the planner prices them so."""
+    from kiln.parallel.launch import launch
+
+    results = launch(_collective_rank, world, (sizes, 40), timeout_s=60.0)
+    t = [max(r[n] for r in results) for n in sizes]
+    return fit((1, sizes[0], t[0]), (1, sizes[1], t[1]))
 
 
 def rates_path(threads: int) -> str:
     key = hashlib.sha256(f"{cpu_model()}|{' '.join(cpu_flags())}".encode()).hexdigest()[:12]
-    return str(cache_dir("kernel-rates") / f"rates-{key}-{threads}t.json")
+    return str(cache_dir("kernel-rates") / f"rates-v{VERSION}-{key}-{threads}t.json")
 
 
-def load_rates(threads: int = 2, refresh: bool = False) -> dict[str, dict[int, float]]:
-    """This CPU's table (cached JSON), measured now (a few seconds) when missing."""
+def load_rates(
+    threads: int = 2, refresh: bool = False, note: Callable[[str], None] = lambda _: None
+) -> dict[str, dict[int, Cost]]:
+    """This CPU's table at ``threads`` threads (cached JSON), measured now when missing
+    (a minute or two; ``note`` hears what is being timed)."""
     path = rates_path(threads)
     if not refresh and os.path.exists(path):
         try:
             with open(path, encoding="utf-8") as f:
                 raw = json.load(f)
-            return {fmt: {int(r): float(v) for r, v in by.items()} for fmt, by in raw.items()}
-        except (ValueError, KeyError, TypeError, AttributeError):
+            return {
+                engine: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
+                for engine, by in raw.items()
+            }
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
             pass  # a stale or corrupt entry: measure again
-    rates = measure_rates(threads)
+    rates = measure_rates(threads, note)
+    note("timing a gloo all-reduce between two ranks")
+    rates["gloo"] = {2: measure_collective(2)}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(rates, f, indent=1)
+        raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}
+        json.dump(raw_out, f, indent=1)
     os.replace(tmp, path)
     return rates
 
 
-def rate_at(rates: Rates, fmt: str, rows: int) -> float | None:
-    """The GB/s for ``fmt`` at ``rows`` activation rows: measured at the nearest measured
-    row count not above it (more rows only raise the rate of a streaming kernel)."""
-    by = rates.get(fmt)
+def rate_at(rates: Rates, engine: str, rows: int) -> Cost | None:
+    """``engine``'s cost at ``rows`` activation rows: the one measured at the nearest row
+    count not above it (more rows only raise the rate of a streaming kernel), else the
+    smallest measured."""
+    by = rates.get(engine)
     if not by:
         return None
     fits = [r for r in by if r <= rows] or [min(by)]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,12 +77,18 @@ def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
     return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}
 
 
-def measurements(model: str, hw: Hardware) -> Measurements:
+def measurements(
+    model: str, hw: Hardware, note: Callable[[str], None] = lambda _: None
+) -> Measurements:
     """What kiln can measure for planning ``model`` on ``hw``: the checkpoint's size, and on
-    this CPU its decode kernels' streaming rates (cached after the first plan)."""
-    rates = None
-    if hw.device.kind == "cpu":
-        from kiln.deploy.kernel_rates import load_rates
+    this CPU its engines' measured costs at the thread count of every rank count the plan
+    may use (cached after the first plan; measuring a missing table takes a minute or two)."""
+    if hw.device.kind != "cpu":
+        return Measurements(checkpoint_bytes(model))
+    from kiln.deploy.estimate_cpu import threads_per_rank
+    from kiln.deploy.kernel_rates import load_rates
 
-        rates = load_rates()
-    return Measurements(checkpoint_bytes(model), rates)
+    cores = len(os.sched_getaffinity(0))
+    threads = {threads_per_rank(cores, ranks) for ranks in range(1, hw.count + 1)}
+    rates = {t: load_rates(t, note=note) for t in sorted(threads, reverse=True)}
+    return Measurements(checkpoint_bytes(model), rates, cores)

@@ -1,4 +1,5 @@
-"""The CPU decode-rate table the planner reads: lookup by rows, caching, the step timer."""
+"""The CPU engine-cost table the planner reads: the two-shape fit, lookup, caching, timers,
+and the CPU cost model that prices a layout with it."""
 
 from __future__ import annotations
 
@@ -7,40 +8,108 @@ from pathlib import Path
 
 import pytest
 
-from kiln.deploy import kernel_rates
-from kiln.deploy.kernel_rates import load_rates, rate_at, step_seconds
+from kiln.deploy import estimate_cpu, kernel_rates
+from kiln.deploy.architecture import read_architecture
+from kiln.deploy.kernel_rates import (
+    Cost,
+    fit,
+    load_rates,
+    measure_collective,
+    prefill_seconds,
+    rate_at,
+    step_seconds,
+)
 from kiln.llm.generate import EagerDecoder
 from tests.support.models import tiny_transformer
 
-TABLE = {"int8": {1: 20.0, 4: 12.0}, "eager-int8": {1: 7.0}}
+TABLE = {"fast-int8": {1: Cost(20.0, 1e-5), 4: Cost(12.0, 2e-5)}, "eager-int8": {1: Cost(7.0, 0)}}
+
+
+def test_fit_recovers_a_fixed_cost_per_block_and_a_rate() -> None:
+    true = Cost(rate=25.0, layer_s=40e-6)
+    narrow = (24, 300e6, true.seconds(300e6, 24))
+    wide = (4, 500e6, true.seconds(500e6, 4))
+    got = fit(narrow, wide)
+    assert got.rate == pytest.approx(25.0) and got.layer_s == pytest.approx(40e-6)
+
+
+def test_fit_never_returns_a_negative_fixed_cost() -> None:
+    # the narrow model ran "too fast" (noise): no fixed cost, the pooled rate instead
+    got = fit((24, 300e6, 0.010), (4, 500e6, 0.030))
+    assert got.layer_s == 0.0 and got.rate == pytest.approx(800e6 / 0.040 / 1e9)
 
 
 def test_rate_at_takes_the_nearest_measured_rows_below() -> None:
-    assert rate_at(TABLE, "int8", 1) == 20.0
-    assert rate_at(TABLE, "int8", 3) == 20.0
-    assert rate_at(TABLE, "int8", 8) == 12.0
-    assert rate_at(TABLE, "eager-int8", 4) == 7.0
-    assert rate_at(TABLE, "fp32", 1) is None
+    assert rate_at(TABLE, "fast-int8", 1) == Cost(20.0, 1e-5)
+    assert rate_at(TABLE, "fast-int8", 3) == Cost(20.0, 1e-5)
+    assert rate_at(TABLE, "fast-int8", 8) == Cost(12.0, 2e-5)
+    assert rate_at(TABLE, "eager-int8", 4) == Cost(7.0, 0)
+    assert rate_at(TABLE, "fast-fp32", 1) is None
 
 
-def test_rates_are_cached_per_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_rates_are_cached_per_machine_and_thread_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     calls = []
 
-    def fake(threads: int = 2) -> dict[str, dict[int, float]]:
+    def fake(threads: int = 2, note: object = None) -> dict[str, dict[int, Cost]]:
         calls.append(threads)
-        return {"fp32": {1: 25.0, 4: 19.0}}
+        return {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}}
 
     monkeypatch.setattr(kernel_rates, "measure_rates", fake)
-    assert load_rates(2) == {"fp32": {1: 25.0, 4: 19.0}} and calls == [2]
-    assert load_rates(2) == {"fp32": {1: 25.0, 4: 19.0}} and calls == [2]  # from the file
+    monkeypatch.setattr(kernel_rates, "measure_collective", lambda world: Cost(1.0, 5e-5))
+    want = {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}, "gloo": {2: Cost(1.0, 5e-5)}}
+    assert load_rates(2) == want and calls == [2]
+    assert load_rates(2) == want and calls == [2]  # from the file
+    assert load_rates(1) == want and calls == [2, 1]  # another thread count, another table
     path = Path(kernel_rates.rates_path(2))
-    assert json.loads(path.read_text())["fp32"]["4"] == 19.0
+    assert json.loads(path.read_text())["fast-fp32"]["4"] == [19.0, 2e-5]
     path.write_text("{broken")
     load_rates(2)
-    assert calls == [2, 2]  # a corrupt entry is measured again
+    assert calls == [2, 1, 2]  # a corrupt entry is measured again
 
 
-def test_step_seconds_times_real_steps() -> None:
-    dec = EagerDecoder(tiny_transformer(), 2, 32)
-    assert 0 < step_seconds(dec, 2, 4, 1) < 1.0
+def test_step_and_prefill_timers_time_real_work() -> None:
+    model = tiny_transformer()
+    assert 0 < step_seconds(EagerDecoder(model, 2, 32), 2, 4, 1) < 1.0
+    assert 0 < prefill_seconds(model, 64, repeats=1) < 5.0
+
+
+def test_a_gloo_all_reduce_between_two_ranks_is_measured() -> None:
+    cost = measure_collective(2, sizes=(4096, 1 << 18))
+    assert cost.layer_s < 0.05 and cost.rate > 0.01  # a loopback message: under 50 ms
+
+
+# --------------------------------------------------------------- the CPU cost model
+RATES = {
+    "fast-int8": {1: Cost(20.0, 10e-6)},
+    "eager-int8": {1: Cost(8.0, 100e-6)},
+    "prefill-int8": {64: Cost(100.0, 200e-6)},
+    "gloo": {2: Cost(2.0, 50e-6)},
+}
+
+
+def _run(tp: int, pp: int) -> estimate_cpu.CpuRun:
+    return estimate_cpu.CpuRun("int8", tp, pp, 1, 64, 96, "none", 4, [24 // pp] * pp, 4e6, 30e6)
+
+
+def test_one_process_is_priced_as_the_fast_step_reads_its_weights() -> None:
+    arch = read_architecture("qwen2-0.5b")
+    run = _run(1, 1)
+    kv = 24 * 96 * 2 * arch.n_kv_heads * arch.head_dim * 4  # every layer's cache, fp32
+    want = 24 * 10e-6 + (24 * 4e6 + kv + 30e6) / 20e9
+    assert estimate_cpu.decode_ms(arch, run, RATES) == pytest.approx(want * 1e3)
+
+
+def test_tensor_parallel_ranks_pay_two_all_reduces_per_block_and_the_logits() -> None:
+    arch = read_architecture("qwen2-0.5b")
+    one, two = _run(1, 1), _run(2, 1)
+    kv = 24 * 96 * 2 * arch.n_kv_heads * arch.head_dim * 4
+    eager = 24 * 100e-6 + (24 * 4e6 / 2 + kv / 2 + 30e6) / 8e9
+    reduce = 50e-6 + arch.hidden_size * 4 / 2e9
+    logits = 50e-6 + arch.vocab_size * 4 / 2e9
+    got = estimate_cpu.decode_ms(arch, two, RATES)
+    assert got == pytest.approx((eager + 48 * reduce + logits) * 1e3)
+    assert estimate_cpu.decode_ms(arch, one, RATES) < got  # 2 cores: TP does not pay here
+    assert estimate_cpu.decode_ms(arch, _run(1, 1), {}) is None  # unmeasured: the roofline's
