@@ -6,8 +6,10 @@ decodes a batch of prompts of the plan's length with kiln's one generation loop 
 C++ step where it runs, else eager), greedy. ``measure`` runs that in a fresh process
 (``python -m kiln.deploy.execute``) so its peak resident memory is the plan's alone.
 
-This increment executes single-process plans (tp = pp = 1); a plan with more ranks is
-refused with that reason.
+A plan of ``tp x pp`` ranks is launched as ``kiln run`` launches it (``kiln.parallel``: one
+process per rank, gloo), each rank timed as one process is; its peak memory is the sum of
+every rank's high-water mark and the launcher's (an upper bound of the moment they peak
+together). Offloaded plans run in one process.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,37 +64,86 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
 def run_layout(
     model: str, layout: dict[str, Any], fmt: str, prompt_len: int, gen_len: int
 ) -> dict[str, Any]:
-    """Execute in this process; return the timings (no memory figure: see ``measure``)."""
-    from kiln.deploy.generate_job import GenerateRequest, choose_decoder
-    from kiln.llm.generate import EagerDecoder, Sampling, generate
+    """Execute in this process, or on ``tp x pp`` ranks it launches; return the timings
+    and the ranks' peak RSS (this process's own is ``measure``'s to add)."""
+    batch = int(layout["batch"])
+    gen_tokens = torch.Generator().manual_seed(0)
+    vocab = _vocab_size(model)
+    prompt = torch.randint(0, vocab, (batch, prompt_len), generator=gen_tokens)  # (B, P)
+    tp, pp = int(layout["tp"]), int(layout["pp"])
+    if tp * pp == 1:
+        return _run_here(model, layout, fmt, prompt, gen_len)
+    if layout["offload"] != "none":
+        raise ValueError("kiln executes offloaded plans in one process only (tp = pp = 1)")
+    from kiln.parallel.launch import launch
+
+    spec = (model, fmt, prompt, gen_len, tp, pp)
+    ranks = launch(_rank_run, tp * pp, spec, timeout_s=600.0)
+    last = ranks[(pp - 1) * tp]  # the rank whose logits every rank takes
+    return {**last, "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+            "engine": f"eager, {tp * pp} ranks (tp {tp}, pp {pp}) over gloo"}  # fmt: skip
+
+
+def _vocab_size(model: str) -> int:
+    from kiln.deploy.architecture import read_architecture
+
+    return read_architecture(model).vocab_size
+
+
+def _load_in_format(model: str, fmt: str) -> Transformer:
     from kiln.models.load import load_model
 
-    if layout["tp"] * layout["pp"] != 1:
-        raise ValueError("this increment executes single-process plans only (tp = pp = 1)")
-    batch = int(layout["batch"])
     loaded = load_model(model, FORMAT_DTYPES.get(fmt, torch.float32), packed=False,
                         with_tokenizer=False)  # fmt: skip
-    store_in_format(loaded.model, fmt)
+    return store_in_format(loaded.model, fmt)
+
+
+def _run_here(
+    model: str, layout: dict[str, Any], fmt: str, prompt: torch.Tensor, gen_len: int
+) -> dict[str, Any]:
+    from kiln.deploy.generate_job import GenerateRequest, choose_decoder
+
+    loaded = _load_in_format(model, fmt)
+    batch, max_len = prompt.shape[0], prompt.shape[1] + gen_len
     request = GenerateRequest(checkpoint=model, prompt="", head="auto")
-    gen_tokens = torch.Generator().manual_seed(0)
-    prompt = torch.randint(0, loaded.config.vocab_size, (batch, prompt_len), generator=gen_tokens)
-    max_len = prompt_len + gen_len
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as store:
         if layout["offload"] != "none":
+            from kiln.llm.generate import EagerDecoder
             from kiln.llm.offload import offload_
 
-            offload_(loaded.model, Path(store), tier="disk")
-            decoder: Any = EagerDecoder(loaded.model, batch, max_len)
+            offload_(loaded, Path(store), tier="disk")
+            decoder: Any = EagerDecoder(loaded, batch, max_len)
             engine = "eager, blocks streamed from disk"
         else:
-            decoder, engine = choose_decoder(loaded.model, request, batch, max_len)
-        generate(decoder, prompt[:, :8], 2, Sampling())  # warm-up (prefill rewrites the cache)
-        t0 = time.perf_counter()
-        out = generate(decoder, prompt, gen_len, Sampling())
-        total = time.perf_counter() - t0
-    ms = statistics.median(out.step_s) * 1e3 if out.step_s else total * 1e3
-    return {"ms_per_token": ms, "ttft_ms": out.ttft_s * 1e3,
-            "tokens_per_s": batch * 1e3 / ms, "engine": engine}  # fmt: skip
+            decoder, engine = choose_decoder(loaded, request, batch, max_len)
+        return {**_timed(decoder, prompt, gen_len), "engine": engine}
+
+
+def _timed(decoder: Any, prompt: torch.Tensor, gen_len: int) -> dict[str, Any]:
+    """Decode ``gen_len`` tokens greedily after a warm-up with the same prompt shape (the
+    prefill engine differs with the prompt's length, and its first call allocates): the
+    median step time, the time to first token, tokens per second."""
+    from kiln.llm.generate import Sampling, generate
+
+    generate(decoder, prompt, 2, Sampling())  # warm-up (prefill rewrites the cache)
+    out = generate(decoder, prompt, gen_len, Sampling())
+    ms = statistics.median(out.step_s) * 1e3
+    batch = prompt.shape[0]
+    return {"ms_per_token": ms, "ttft_ms": out.ttft_s * 1e3, "tokens_per_s": batch * 1e3 / ms}
+
+
+def _rank_run(
+    rank: int, world: int, model: str, fmt: str, prompt: torch.Tensor, gen_len: int, tp: int,
+    pp: int,
+) -> dict[str, Any]:  # fmt: skip
+    """One rank of a parallel plan: its stage and shard of the model, timed as one process
+    is, and its own peak RSS."""
+    from kiln.parallel.mesh import Mesh, rank_decoder
+
+    mesh = Mesh.create(tp, pp)
+    decoder = rank_decoder(_load_in_format(model, fmt), mesh, prompt.shape[0],
+                           prompt.shape[1] + gen_len)  # fmt: skip
+    return {**_timed(decoder, prompt, gen_len), "peak_rss_bytes": peak_rss_bytes()}
 
 
 def measure(
@@ -129,7 +179,9 @@ def main() -> int:
     result = run_layout(
         spec["model"], spec["layout"], spec["fmt"], spec["prompt_len"], spec["gen_len"]
     )
-    result["peak_rss_bytes"] = peak_rss_bytes()
+    # the process this runs in is the plan's launcher (or its only process): its own peak
+    # adds to the ranks'
+    result["peak_rss_bytes"] = peak_rss_bytes() + sum(result.get("rank_peak_rss_bytes", []))
     print(json.dumps(result))
     return 0
 

@@ -84,22 +84,18 @@ class Mesh:
         return cls(tp, pp, rank, tp_group, pp_group)
 
 
-def rank_generate(
+def rank_decoder(
     model: Transformer,
-    prompt: Tensor,
-    max_new_tokens: int,
     mesh: Mesh,
+    batch: int,
+    max_len: int,
     split: Sequence[int] | None = None,
     microbatches: int = 1,
     device: torch.device | None = None,
-    sampling: Sampling = GREEDY,
-    stop_ids: tuple[int, ...] = (),
-    keep_logits: bool = False,
-) -> Generation:
-    """This rank's part of generation: keep its stage and shard of ``model`` (the full
-    model, consumed), move them to ``device`` (None: where the model is), decode as
-    ``sampling`` says. Every rank returns the same tokens. ``split``: layers per stage
-    (default: even)."""
+) -> PipelineDecoder:
+    """This rank's part of ``model`` (the full model, consumed) as a ``Decoder``: its
+    stage's layers, its tensor-parallel shard, on ``device`` (None: where the model is).
+    ``split``: layers per stage (default: even)."""
     n = model.cfg.n_layers
     ranges = split_stages(n, split if split is not None else even_split(n, mesh.pp))
     if len(ranges) != mesh.pp:
@@ -112,8 +108,25 @@ def rank_generate(
         if device is not None:
             stage.to(device)  # only this rank's shard travels
         progress()
+    return PipelineDecoder(stage, mesh.pipe_ranks(), batch, max_len, microbatches)
+
+
+def rank_generate(
+    model: Transformer,
+    prompt: Tensor,
+    max_new_tokens: int,
+    mesh: Mesh,
+    split: Sequence[int] | None = None,
+    microbatches: int = 1,
+    device: torch.device | None = None,
+    sampling: Sampling = GREEDY,
+    stop_ids: tuple[int, ...] = (),
+    keep_logits: bool = False,
+) -> Generation:
+    """This rank's part of generation (``rank_decoder``), decoded as ``sampling`` says.
+    Every rank returns the same tokens."""
     batch, max_len = prompt.shape[0], prompt.shape[1] + max_new_tokens
-    decoder = PipelineDecoder(stage, mesh.pipe_ranks(), batch, max_len, microbatches)
+    decoder = rank_decoder(model, mesh, batch, max_len, split, microbatches, device)
     return generate(decoder, prompt, max_new_tokens, sampling, stop_ids, keep_logits=keep_logits)
 
 

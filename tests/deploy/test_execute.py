@@ -34,9 +34,17 @@ def test_offloaded_plan_streams_from_disk(checkpoint: Path) -> None:
     assert "disk" in got["engine"]
 
 
-def test_parallel_plans_are_refused_for_now(checkpoint: Path) -> None:
-    with pytest.raises(ValueError, match="single-process"):
-        run_layout(str(checkpoint), {**LAYOUT, "tp": 2}, "fp32", 6, 5)
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_parallel_plans_run_on_ranks(checkpoint: Path, tp: int, pp: int) -> None:
+    got = run_layout(str(checkpoint), {**LAYOUT, "tp": tp, "pp": pp}, "int8", 6, 5)
+    assert f"tp {tp}, pp {pp}" in got["engine"]
+    assert got["ms_per_token"] > 0 and got["ttft_ms"] > 0
+    assert len(got["rank_peak_rss_bytes"]) == 2 and min(got["rank_peak_rss_bytes"]) > 100e6
+
+
+def test_offloaded_parallel_plans_are_refused(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="one process"):
+        run_layout(str(checkpoint), {**LAYOUT, "tp": 2, "offload": "disk"}, "fp32", 6, 5)
 
 
 def test_measured_peak_memory_is_within_the_prediction(checkpoint: Path) -> None:
