@@ -4,6 +4,7 @@ hardware budget, predicted and explained."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -28,6 +29,7 @@ def plan(
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
     verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans)")] = False,
     emit: Annotated[str, typer.Option(help="also print the launch for torchrun or vllm")] = "",
+    plot: Annotated[str, typer.Option(help="write the latency / cost picture (PNG) here; default: beside --out")] = "",
 ) -> None:  # fmt: skip
     """Plan how to serve MODEL on HARDWARE: weight format, number of devices, tensor- and
     pipeline-parallel degrees and weight offloading, chosen for the objective among every
@@ -38,7 +40,9 @@ def plan(
     much, and the single changes that would make it feasible. With --verify a CPU plan is
     executed in a fresh process and its measured figures are printed beside the predicted
     ones. With --emit torchrun|vllm the plan is also printed as that engine's launch line(s),
-    with the parts of the plan the engine cannot express."""
+    with the parts of the plan the engine cannot express. The latency / cost Pareto frontier
+    is printed as a table and drawn (every layout that fits, coloured by accuracy) to --plot,
+    or beside --out (plan.json -> plan.png)."""
     from kiln.deploy import parse
     from kiln.deploy.plan_job import plan_deployment
     from kiln.deploy.planner import Request
@@ -69,6 +73,11 @@ def plan(
 
         with console.status("executing the plan"), refused():
             checked = verify_plan(result, model)
+    picture = Path(plot) if plot else (Path(out).with_suffix(".png") if out else None)
+    if picture is not None:
+        from kiln.deploy.plan_plot import plot_plan
+
+        plot_plan(result.plan, picture)
     if as_json:
         extra: dict = {"verified": checked} if checked else {}
         if launch is not None:
@@ -92,6 +101,8 @@ def plan(
             console.print(f"[yellow]{emit} cannot express[/yellow] {gap}")
     if result.written is not None:
         console.print(f"[dim]plan written to {result.written}[/dim]")
+    if picture is not None:
+        console.print(f"[dim]latency / cost picture written to {picture}[/dim]")
     if not doc["feasible"]:
         raise typer.Exit(1)
 
@@ -123,3 +134,11 @@ def _render(doc: dict) -> None:
         console.print(f"[yellow]would fit with[/yellow] {r['change']}: {r['plan']}")
     for r in doc["runners_up"]:
         console.print(f"[dim]runner-up {r['plan']}: {r['why_lost']}[/dim]")
+    if doc["frontier"]:
+        front = Table(
+            "latency / cost frontier", "ms/token", "$ per 1M tokens", "ppl (prior)", "meets all"
+        )
+        for f in doc["frontier"]:
+            front.add_row(f["plan"], f"{f['ms_per_token']:.1f}", f"{f['cost_per_1m_tokens_usd']:.3f}",
+                          f"+{f['ppl_increase']:.1%}", "yes" if f["feasible"] else "no")  # fmt: skip
+        console.print(front)

@@ -16,7 +16,12 @@ refuses a malformed, truncated or wrong-version document, naming the field. Sche
      "cost_per_1m_tokens_usd": float,
      "violations": [{"constraint", "needed", "limit"}],
      "relaxations": [{"change", "plan": str}],
-     "runners_up": [{"plan": str, "why_lost": str}]}
+     "runners_up": [{"plan": str, "why_lost": str}],
+     "frontier": [{"plan", "ms_per_token", "cost_per_1m_tokens_usd", "ppl_increase",
+                   "feasible"}]}
+
+``frontier``: the layouts that fit in memory and that no other beats on both ms/token and
+cost per token (the latency / cost Pareto frontier), fastest first.
 """
 
 from __future__ import annotations
@@ -88,6 +93,16 @@ def plan_to_dict(plan: Plan, model: str) -> dict[str, Any]:
         ],
         "relaxations": [{"change": what, "plan": c.describe()} for what, c in plan.relaxations],
         "runners_up": [{"plan": c.describe(), "why_lost": why} for c, why in plan.runners_up],
+        "frontier": [
+            {
+                "plan": c.describe(),
+                "ms_per_token": c.estimate.ms_per_token,
+                "cost_per_1m_tokens_usd": c.cost_per_1m_tokens,
+                "ppl_increase": c.ppl_increase,
+                "feasible": c.feasible,
+            }
+            for c in plan.frontier
+        ],  # fmt: skip
     }
 
 

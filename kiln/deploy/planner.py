@@ -117,6 +117,7 @@ class Plan:
     best: Candidate
     runners_up: list[tuple[Candidate, str]] = field(default_factory=list)
     frontier: list[Candidate] = field(default_factory=list)
+    candidates: list[Candidate] = field(default_factory=list)  # every layout evaluated
     relaxations: list[tuple[str, Candidate]] = field(default_factory=list)
 
     @property
@@ -193,10 +194,11 @@ def plan(
     feasible = sorted((c for c in cands if c.feasible), key=lambda c: _rank(c, request.objective))
     if feasible:
         best = feasible[0]
-        result = Plan(arch, request, best, _runners_up(best, feasible), _frontier(feasible))
+        result = Plan(arch, request, best, _runners_up(best, feasible), _frontier(feasible),
+                      cands)  # fmt: skip
     else:
         best = min(cands, key=_badness)
-        result = Plan(arch, request, best, frontier=_frontier(cands))
+        result = Plan(arch, request, best, frontier=_frontier(cands), candidates=cands)
         if relax:
             result.relaxations = relaxations(arch, hw, request, known)
     return result
