@@ -6,6 +6,8 @@ Keys: ``host``/``ram`` host RAM (for ``cpu``, ``ram`` is also the device memory)
 ``disk`` offload-disk read GB/s, ``link`` a ``LINKS`` name, ``price`` USD per device-hour,
 ``mem`` device memory, ``bw`` device bandwidth GB/s. Defaults: the device's own link, a
 256 GB host per machine for GPUs (the RAM itself for ``cpu``), a 2 GB/s (NVMe) disk.
+``Nxcpu`` is N ranks (processes) on this one host: they share its cores, its memory
+bandwidth and its RAM, and the planner prices them so (``estimate_cpu``).
 
 Units: memory sizes follow the JEDEC convention that device names already use ("A100-80GB"
 holds 80 GiB): KB/MB/GB/TB and KiB/MiB/GiB/TiB are both powers of 1024, so ``mem=80GB``
