@@ -1,10 +1,15 @@
 """The planner's predictions against execution on this CPU: ``python -m kiln.bench.plan_accuracy``.
 
-For each plan of a fixed list (weight format x batch x offload on SmolLM2), the planner's
-estimate for ``--hardware cpu`` is put beside the plan executed in a fresh process
-(``kiln.deploy.execute.measure``: decode ms/token, time to first token, peak RSS). Reported:
-each relative error, their median and worst, and whether predicted memory was ever more than
-5% below the measured peak (docs/benchmarks.md, "Large-model measurements").
+For each plan of a fixed list (``PLANS``: SmolLM2's real GGUF and two published
+architectures with random weights, Qwen2-0.5B and 1.5B; weight format x batch 1 / 4 x
+tensor- and pipeline-parallel ranks x disk offload under a RAM limit), the planner's
+estimate for its hardware spec is put beside the plan executed in a fresh process
+(``kiln.deploy.execute.measure``: decode ms/token, time to first token, peak RSS of every
+process of the plan). Reported: each relative error, their median and worst, whether
+predicted memory was ever more than 5% below the measured peak, and whether an executed
+plan exceeded its RAM limit (docs/benchmarks.md, "Large-model measurements").
+
+    python -m kiln.bench.plan_accuracy [--only smollm2,qwen2-0.5b] [--prompt-len 64]
 """
 
 from __future__ import annotations
@@ -12,45 +17,92 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kiln.bench import RESULTS_DIR, system
-from kiln.deploy.architecture import read_architecture
+from kiln.bench.random_checkpoint import random_checkpoint
+from kiln.deploy.architecture import published_config, read_architecture
 from kiln.deploy.estimate import FORMATS, Layout
 from kiln.deploy.execute import measure
 from kiln.deploy.hardware import parse_hardware
 from kiln.deploy.plan_job import measurements
 from kiln.deploy.planner import Request, activation_bytes, evaluate
 
-PLANS = [  # (format, batch, offload)
-    ("fp32", 1, "none"), ("fp32", 4, "none"), ("bf16", 1, "none"), ("bf16", 4, "none"),
-    ("int8", 1, "none"), ("int8", 4, "none"), ("int4-g64", 1, "none"), ("int4-g64", 4, "none"),
-    ("int4-g32", 1, "none"), ("fp32", 1, "disk"), ("int8", 1, "disk"),
-]  # fmt: skip
+
+@dataclass(frozen=True)
+class PlanSpec:
+    """One executed plan: the model, its layout, and the hardware spec it is planned for
+    (``Nxcpu``: N ranks of this host; ``cpu,ram=2GB``: a RAM limit that forces offload)."""
+
+    model: str
+    fmt: str
+    batch: int
+    tp: int = 1
+    pp: int = 1
+    offload: str = "none"
+    hardware: str = ""
+
+    @property
+    def spec(self) -> str:
+        return self.hardware or (f"{self.tp * self.pp}xcpu" if self.tp * self.pp > 1 else "cpu")
+
+    def describe(self) -> str:
+        where = f", tp {self.tp}, pp {self.pp}" if self.tp * self.pp > 1 else ""
+        off = f", offload {self.offload} ({self.spec})" if self.offload != "none" else ""
+        return f"{self.model} {self.fmt}, batch {self.batch}{where}{off}"
 
 
-def run(model: str, prompt_len: int, gen_len: int) -> dict[str, Any]:
-    arch, hw = read_architecture(model), parse_hardware("cpu")
-    known = measurements(model, hw)
+# SmolLM2 is the real GGUF; the Qwen2 models are their published configs, random weights.
+PLANS = (
+    PlanSpec("smollm2", "fp32", 1), PlanSpec("smollm2", "fp32", 4),
+    PlanSpec("smollm2", "bf16", 1), PlanSpec("smollm2", "int8", 1),
+    PlanSpec("smollm2", "int8", 4), PlanSpec("smollm2", "int4-g64", 1),
+    PlanSpec("smollm2", "int4-g32", 4), PlanSpec("smollm2", "int8", 1, tp=2),
+    PlanSpec("smollm2", "fp32", 1, pp=2), PlanSpec("smollm2", "int4-g64", 4, tp=2),
+    PlanSpec("smollm2", "fp32", 1, offload="disk", hardware="cpu,ram=1GB"),
+    PlanSpec("qwen2-0.5b", "fp32", 1), PlanSpec("qwen2-0.5b", "int8", 4),
+    PlanSpec("qwen2-0.5b", "int8", 1, tp=2), PlanSpec("qwen2-0.5b", "bf16", 4, pp=2),
+    PlanSpec("qwen2-0.5b", "fp32", 1, offload="disk", hardware="cpu,ram=2GB"),
+    PlanSpec("qwen2-1.5b", "int8", 1), PlanSpec("qwen2-1.5b", "int4-g128", 4),
+    PlanSpec("qwen2-1.5b", "bf16", 1), PlanSpec("qwen2-1.5b", "int8", 1, tp=2),
+)  # fmt: skip
+
+
+def checkpoint_of(model: str) -> str:
+    """A catalog model as it is; a published config as its random-weight checkpoint."""
+    if published_config(model) is None:
+        return model
+    return str(random_checkpoint(model))
+
+
+def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int) -> dict[str, Any]:
     rows = []
-    for fmt, batch, offload in PLANS:
-        lay = Layout(FORMATS[fmt], 1, 1, 1, batch, prompt_len, gen_len, offload,
-                     activation_bytes(hw, fmt))  # fmt: skip
-        est = evaluate(arch, hw, lay, Request(batch=batch, prompt_len=prompt_len,
-                                              gen_len=gen_len), known).estimate  # fmt: skip
-        got = measure(model, {"tp": 1, "pp": 1, "batch": batch, "offload": offload}, fmt,
-                      prompt_len, gen_len)  # fmt: skip
+    for p in plans:
+        path = checkpoint_of(p.model)
+        arch, hw = read_architecture(path), parse_hardware(p.spec)
+        known = measurements(path, hw, note=print)
+        lay = Layout(FORMATS[p.fmt], p.tp * p.pp, p.tp, p.pp, p.batch, prompt_len, gen_len,
+                     p.offload, activation_bytes(hw, p.fmt))  # fmt: skip
+        cand = evaluate(arch, hw, lay, Request(batch=p.batch, prompt_len=prompt_len,
+                                               gen_len=gen_len), known)  # fmt: skip
+        est = cand.estimate
+        layout = {"tp": p.tp, "pp": p.pp, "batch": p.batch, "offload": p.offload,
+                  "stage_layers": list(est.stages)}  # fmt: skip
+        got = measure(path, layout, p.fmt, prompt_len, gen_len)
         row: dict[str, Any] = {
-            "plan": f"{fmt}, batch {batch}, offload {offload}", "engine": got.engine,
+            "plan": p.describe(), "engine": got.engine, "hardware": p.spec,
+            "fits": cand.feasible, "memory_limit_bytes": est.device_memory_bytes,
             "predicted": {"ms_per_token": est.ms_per_token, "ttft_ms": est.ttft_ms,
                           "peak_bytes": est.peak_device_bytes},
             "measured": {"ms_per_token": got.ms_per_token, "ttft_ms": got.ttft_ms,
                          "peak_bytes": got.peak_rss_bytes},
         }  # fmt: skip
         row["error"] = {k: row["predicted"][k] / row["measured"][k] - 1 for k in row["measured"]}
-        print(f"{row['plan']:32s} ms/token {est.ms_per_token:7.2f} vs {got.ms_per_token:7.2f}  "
+        print(f"{row['plan']:48s} ms/token {est.ms_per_token:7.2f} vs {got.ms_per_token:7.2f}  "
               f"ttft {est.ttft_ms:7.1f} vs {got.ttft_ms:7.1f}  peak {est.peak_device_bytes / 1e9:5.2f}"
-              f" vs {got.peak_rss_bytes / 1e9:5.2f} GB")  # fmt: skip
+              f" vs {got.peak_rss_bytes / 1e9:5.2f} GB", flush=True)  # fmt: skip
         rows.append(row)
     summary: dict[str, Any] = {}
     for k in ("ms_per_token", "ttft_ms", "peak_bytes"):
@@ -59,19 +111,22 @@ def run(model: str, prompt_len: int, gen_len: int) -> dict[str, Any]:
     summary["memory_under_predicted_over_5pct"] = [
         r["plan"] for r in rows if r["error"]["peak_bytes"] < -0.05
     ]
+    summary["over_memory_limit"] = [
+        r["plan"] for r in rows if r["measured"]["peak_bytes"] > r["memory_limit_bytes"]
+    ]
     cpu = system.cpu_info()
     return {"kind": "plan-accuracy", "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
-            "versions": system.versions(), "model": model, "hardware": hw.spec,
-            "device": {"bandwidth_gbs": hw.device.bandwidth_gbs, "tflops": dict(hw.device.tflops)},
-            "prompt_len": prompt_len, "gen_len": gen_len, "rows": rows, "summary": summary}  # fmt: skip
+            "versions": system.versions(), "prompt_len": prompt_len, "gen_len": gen_len,
+            "rows": rows, "summary": summary}  # fmt: skip
 
 
 def markdown(result: dict[str, Any]) -> str:
     cpu = result["cpu"]
     lines = [
         f"Planner predictions vs execution, {cpu['name']} ({'AVX-512' if cpu['avx512f'] else 'AVX2'}), "
-        f"{result['date']}: {result['model']}, prompt {result['prompt_len']}, "
-        f"{result['gen_len']} new tokens, 2 threads, each plan in its own process.",
+        f"{result['date']}: prompt {result['prompt_len']}, {result['gen_len']} new tokens, greedy; "
+        "each plan in its own process(es) (ranks: cores // ranks threads each); Qwen2 models "
+        "are their published configs with random weights.",
         "",
         "| plan | engine | ms/token pred / meas | err | TTFT ms pred / meas | err | peak GB pred / meas | err |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -87,22 +142,25 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| figure | median abs error | worst |", "| --- | ---: | ---: |"]
     for k in ("ms_per_token", "ttft_ms", "peak_bytes"):
         lines.append(f"| {k} | {s[k]['median_abs_error']:.1%} | {s[k]['max_abs_error']:.1%} |")
-    under = s["memory_under_predicted_over_5pct"]
+    under, over = s["memory_under_predicted_over_5pct"], s["over_memory_limit"]
     lines.append("")
     lines.append(
         "Memory under-predicted by more than 5%: " + (", ".join(under) if under else "never")
     )
+    lines.append("Executed plans over their RAM limit: " + (", ".join(over) if over else "none"))
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kiln.bench.plan_accuracy", description=__doc__)
-    p.add_argument("--model", default="smollm2")
+    p.add_argument("--only", default="", help="comma list of models to keep (default: all)")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--out", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
-    result = run(args.model, args.prompt_len, args.gen_len)
+    keep = {m for m in args.only.split(",") if m}
+    plans = [p for p in PLANS if not keep or p.model in keep]
+    result = run(plans, args.prompt_len, args.gen_len)
     name = f"plan-accuracy-{system.device_slug(result['cpu'])}-{time.strftime('%Y%m%d')}.json"
     system.write_result(result, args.out, name, markdown(result))
     print(markdown(result))

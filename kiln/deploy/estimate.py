@@ -25,6 +25,7 @@ from kiln.deploy import estimate_cpu
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
 from kiln.deploy.kernel_rates import Rates
+from kiln.deploy.stages import balanced_stages
 
 
 @dataclass(frozen=True)
@@ -95,16 +96,11 @@ class Estimate:
     ms_per_token: float
     ttft_ms: float
     device_memory_bytes: int  # what one device has
+    stages: tuple[int, ...]  # layers per pipeline stage (``stages.balanced_stages``)
 
     @property
     def tokens_per_s(self) -> float:
         return self.layout.batch * 1e3 / self.ms_per_token
-
-
-def stage_layers(n_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage, as even as possible (earlier stages take the remainder)."""
-    base, extra = divmod(n_layers, pp)
-    return [base + (1 if s < extra else 0) for s in range(pp)]
 
 
 @dataclass(frozen=True)
@@ -141,19 +137,20 @@ def estimate(
     head_w = arch.head_params * fb
     if kind == "cpu" and fmt.packed:
         head_w = (arch.head_params or arch.embedding_params) * 1
-    stages = stage_layers(arch.n_layers, pp)
-    # the busiest stage: the largest layer count, plus the embedding (first) or head (last)
-    # kiln shards the blocks only: every rank of the first stage holds the whole embedding,
-    # every rank of the last the whole head (a tied head: the embedding again, when pp > 1)
-    stage_w = [n * layer_w / tp for n in stages]
-    stage_w[0] += embed_w
-    stage_w[-1] += head_w if head_w else (embed_w if pp > 1 else 0)
-    device_w = int(max(stage_w))
     kv_heads = max(1, math.ceil(arch.n_kv_heads / tp))  # replicated when fewer than tp
     kv_per_layer = [
         b * arch.kv_positions(layer, layout.context) * 2 * kv_heads * arch.head_dim
         for layer in range(arch.n_layers)
     ]
+    # kiln shards the blocks only: every rank of the first stage holds the whole embedding,
+    # every rank of the last the whole head (a tied head: the embedding again, when pp > 1)
+    last_w = head_w if head_w else (embed_w if pp > 1 else 0)
+    per_layer = [layer_w / tp + kv * layout.act_bytes for kv in kv_per_layer]
+    stages = balanced_stages(per_layer, pp, embed_w, last_w)
+    stage_w = [n * layer_w / tp for n in stages]
+    stage_w[0] += embed_w
+    stage_w[-1] += last_w
+    device_w = int(max(stage_w))
     kv_device = int(max(_stage_sums(kv_per_layer, stages)) * layout.act_bytes)
     act = _activation_bytes(arch, layout, tp)
     workspace = _largest_linear(arch) * 2 / tp if fmt.packed else 0
@@ -194,7 +191,7 @@ def estimate(
         ttft = _prefill_ms(arch, hw, layout, total_w)
     return Estimate(
         layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
-        ms, ttft, capacity,
+        ms, ttft, capacity, tuple(stages),
     )  # fmt: skip
 
 

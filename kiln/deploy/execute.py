@@ -77,7 +77,8 @@ def run_layout(
         raise ValueError("kiln executes offloaded plans in one process only (tp = pp = 1)")
     from kiln.parallel.launch import launch
 
-    spec = (model, fmt, prompt, gen_len, tp, pp)
+    split = tuple(layout["stage_layers"]) if layout.get("stage_layers") else None
+    spec = (model, fmt, prompt, gen_len, tp, pp, split)
     ranks = launch(_rank_run, tp * pp, spec, timeout_s=600.0)
     last = ranks[(pp - 1) * tp]  # the rank whose logits every rank takes
     return {**last, "rank_peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
@@ -134,7 +135,7 @@ def _timed(decoder: Any, prompt: torch.Tensor, gen_len: int) -> dict[str, Any]:
 
 def _rank_run(
     rank: int, world: int, model: str, fmt: str, prompt: torch.Tensor, gen_len: int, tp: int,
-    pp: int,
+    pp: int, split: tuple[int, ...] | None,
 ) -> dict[str, Any]:  # fmt: skip
     """One rank of a parallel plan: its stage and shard of the model, timed as one process
     is, and its own peak RSS."""
@@ -142,7 +143,7 @@ def _rank_run(
 
     mesh = Mesh.create(tp, pp)
     decoder = rank_decoder(_load_in_format(model, fmt), mesh, prompt.shape[0],
-                           prompt.shape[1] + gen_len)  # fmt: skip
+                           prompt.shape[1] + gen_len, split)  # fmt: skip
     return {**_timed(decoder, prompt, gen_len), "peak_rss_bytes": peak_rss_bytes()}
 
 

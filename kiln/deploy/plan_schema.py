@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.deploy.estimate import stage_layers
 from kiln.deploy.planner import PRIOR_NOTE, Plan
 
 SCHEMA = "kiln.plan/1"
@@ -62,7 +61,7 @@ def plan_to_dict(plan: Plan, model: str) -> dict[str, Any]:
             "device_type": best.hardware.device.name,
             "tp": lay.tp,
             "pp": lay.pp,
-            "stage_layers": stage_layers(plan.arch.n_layers, lay.pp),
+            "stage_layers": list(est.stages),
             "batch": lay.batch,
             "offload": lay.offload,
         },
