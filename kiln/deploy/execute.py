@@ -25,9 +25,8 @@ from typing import Any
 
 import torch
 
+from kiln.deploy.weights import FORMAT_DTYPES, store_in_format
 from kiln.models.transformer import Transformer
-
-FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -39,26 +38,6 @@ class Measured:
     tokens_per_s: float
     peak_rss_bytes: int
     engine: str
-
-
-def store_in_format(model: Transformer, fmt: str) -> Transformer:
-    """Store ``model``'s block weights in the plan format ``fmt`` in place: bf16, or kiln's
-    INT8 / INT4 kernels (then the head too is INT8, as ``kiln generate`` runs a compressed
-    model); fp32 leaves it as it is."""
-    from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
-    from kiln.llm.fast_decoder import quantize_head_
-
-    if fmt in FORMAT_DTYPES:
-        return model.to(FORMAT_DTYPES[fmt])
-    blocks = lambda _m, name: name.startswith("layers.")  # noqa: E731
-    if fmt == "int8":
-        quantize_(model, Int8WeightOnly(), filter_fn=blocks)
-    elif fmt.startswith("int4-g"):
-        quantize_(model, Int4WeightOnly(group_size=int(fmt[len("int4-g") :])), filter_fn=blocks)
-    else:
-        raise ValueError(f"kiln cannot store weights as {fmt!r} on this CPU")
-    quantize_head_(model, Int8WeightOnly())
-    return model
 
 
 def run_layout(

@@ -94,8 +94,8 @@ def fit(narrow: tuple[int, float, float], wide: tuple[int, float, float]) -> Cos
 
 def _model(cfg: ModelConfig, fmt: str) -> Transformer:
     """A random-weight transformer of ``shape``, blocks stored in ``fmt`` as a plan stores
-    them (``execute.store_in_format``: kiln's kernels, an INT8 head when compressed)."""
-    from kiln.deploy.execute import store_in_format
+    them (``weights.store_in_format``: kiln's kernels, an INT8 head when compressed)."""
+    from kiln.deploy.weights import store_in_format
 
     torch.manual_seed(0)
     return store_in_format(Transformer(cfg).eval(), fmt)
