@@ -20,6 +20,7 @@ def plan(
     max_ms_per_token: Annotated[float | None, typer.Option(help="decode latency target")] = None,
     max_ttft_ms: Annotated[float | None, typer.Option(help="time-to-first-token target")] = None,
     batch: Annotated[int, typer.Option(help="sequences decoded together")] = 1,
+    max_batch: Annotated[int, typer.Option(help="also try larger batches up to this (cheaper tokens, slower steps)")] = 0,
     prompt_len: Annotated[int, typer.Option(help="prompt tokens")] = 512,
     gen_len: Annotated[int, typer.Option(help="generated tokens")] = 128,
     objective: Annotated[str, typer.Option(help="cost | latency | throughput")] = "cost",
@@ -49,7 +50,7 @@ def plan(
 
     with refused():
         request = Request(
-            batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+            batch=batch, max_batch=max_batch, prompt_len=prompt_len, gen_len=gen_len,
             max_ppl_increase=parse.fraction(max_ppl_increase) if max_ppl_increase else None,
             max_ms_per_token=max_ms_per_token, max_ttft_ms=max_ttft_ms,
             objective=parse.plan_objective(objective),
@@ -114,7 +115,7 @@ def _render(doc: dict) -> None:
     table = Table("", "plan")
     off = lay["offload"]
     table.add_row("layout", f"{lay['devices']} x {lay['device_type']}, tp {lay['tp']}, pp {lay['pp']} "
-                  f"(layers per stage {lay['stage_layers']}), offload {off}")  # fmt: skip
+                  f"(layers per stage {lay['stage_layers']}), offload {off}, batch {lay['batch']}")  # fmt: skip
     table.add_row("weights", f"{comp['format']}: {comp['weight_bytes'] / 1e9:.1f} GB, "
                   f"{comp['bits_per_weight']:.2f} bits per parameter")  # fmt: skip
     table.add_row("speed", f"{pred['ms_per_token']:.1f} ms/token, {pred['tokens_per_s']:.1f} tokens/s, "

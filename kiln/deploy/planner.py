@@ -52,6 +52,7 @@ class Request:
     """What the deployment must do and meet (None: no such constraint)."""
 
     batch: int = 1
+    max_batch: int = 0  # > batch: also try batches up to this (powers of two), for cost
     prompt_len: int = 512
     gen_len: int = 128
     max_ppl_increase: float | None = None
@@ -64,6 +65,18 @@ class Request:
     def __post_init__(self) -> None:
         if min(self.batch, self.prompt_len, self.gen_len) < 1:
             raise ValueError("batch, prompt_len and gen_len must be >= 1")
+        if self.max_batch and self.max_batch < self.batch:
+            raise ValueError(f"max_batch {self.max_batch} is below batch {self.batch}")
+
+    @property
+    def batches(self) -> list[int]:
+        """The batch sizes the search tries: ``batch``, and with ``max_batch`` every power
+        of two between them and ``max_batch`` itself (more sequences per step share each
+        weight read: cheaper tokens, slower steps)."""
+        if self.max_batch <= self.batch:
+            return [self.batch]
+        doubling = [b for b in (2**i for i in range(20)) if self.batch < b < self.max_batch]
+        return [self.batch, *doubling, self.max_batch]
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"unknown weight formats {unknown}; known: {sorted(FORMATS)}")
@@ -103,7 +116,8 @@ class Candidate:
     def describe(self) -> str:
         lay = self.estimate.layout
         off = "" if lay.offload == "none" else f", offload to {lay.offload}"
-        return f"{lay.fmt.name} on {lay.devices}x{self.hardware.device.name} (tp {lay.tp}, pp {lay.pp}{off})"
+        return (f"{lay.fmt.name} on {lay.devices}x{self.hardware.device.name} (tp {lay.tp}, "
+                f"pp {lay.pp}{off}, batch {lay.batch})")  # fmt: skip
 
 
 @dataclass
@@ -137,9 +151,10 @@ def layouts(arch: Architecture, hw: Hardware, request: Request) -> list[Layout]:
             for name in request.formats:
                 act = activation_bytes(hw, name)
                 for off in offloads:
-                    lay = Layout(FORMATS[name], n, tp, n // tp, request.batch,
-                                 request.prompt_len, request.gen_len, off, act)  # fmt: skip
-                    out.append(lay)
+                    for b in request.batches:
+                        lay = Layout(FORMATS[name], n, tp, n // tp, b, request.prompt_len,
+                                     request.gen_len, off, act)  # fmt: skip
+                        out.append(lay)
     return out
 
 

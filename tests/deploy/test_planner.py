@@ -154,3 +154,18 @@ def test_cli_plan_prints_json() -> None:
     )
     for key in ("compression", "placement", "predicted", "violations", "relaxations"):
         assert key in doc
+
+
+def test_a_batch_search_finds_cheaper_tokens_within_the_latency_target() -> None:
+    base = Request(batch=1, prompt_len=2048, gen_len=256, max_ms_per_token=60.0)
+    one = plan(LLAMA70, parse_hardware("8xA100-40GB"), base)
+    many = plan(
+        LLAMA70, parse_hardware("8xA100-40GB"), Request(**{**base.__dict__, "max_batch": 64})
+    )
+    assert one.feasible and many.feasible
+    assert many.best.estimate.layout.batch > 1
+    assert many.best.cost_per_1m_tokens < one.best.cost_per_1m_tokens
+    assert many.best.estimate.ms_per_token <= 60.0
+    assert Request(batch=3, max_batch=20).batches == [3, 4, 8, 16, 20]
+    with pytest.raises(ValueError, match="below batch"):
+        Request(batch=8, max_batch=4)
