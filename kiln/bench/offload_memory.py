@@ -5,7 +5,9 @@
 Generates greedily with SmolLM2-135M resident, then with every block's weights streamed
 from a disk store (``kiln.llm.offload``) in the same process, and reports the peak
 resident-memory increase while generating offloaded (VmHWM reset after offloading, minus
-VmRSS then) against the blocks' bytes. Run in a fresh process for a clean figure.
+VmRSS then) against the blocks' bytes. Run in a fresh process for a clean figure. The
+whole process's peak, loading included (the blocks streamed into the store as they are
+read), is ``kiln.bench.load_memory``'s.
 """
 
 from __future__ import annotations

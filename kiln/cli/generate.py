@@ -6,7 +6,7 @@ rendering; run is generate on tensor- and pipeline-parallel ranks (eager stages)
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -89,6 +89,10 @@ def run(
     would (every rank draws from the same seeded stream). On one machine kiln starts the
     ranks itself and stops the whole job, naming the rank, if one dies or hangs.
 
+    CHECKPOINT may be a plan written by `kiln plan --out plan.json`: the plan is executed as
+    it says (its checkpoint, weight format, ranks and stage split, disk offload through a
+    temporary store); --tp/--pp/--split/--dtype are then the plan's.
+
     Several machines: with --nnodes N --rdzv-endpoint HOST:PORT this prints the torchrun
     line to start on every machine; under torchrun kiln uses its ranks instead of starting
     its own."""
@@ -106,14 +110,33 @@ def run(
     from kiln.deploy.generate_job import GenerateRequest
     from kiln.llm.generate import Sampling
 
+    sampling = Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    if checkpoint.endswith(".json"):
+        _run_plan(checkpoint, prompt, max_new_tokens, sampling, chat)
+        return
     with refused():
         request = GenerateRequest(
             checkpoint=checkpoint, prompt=prompt, max_new_tokens=max_new_tokens, dtype=dtype,
-            sampling=Sampling(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            packed=not unpacked, head=head, engine="eager", tp=tp, pp=pp,
+            sampling=sampling, packed=not unpacked, head=head, engine="eager", tp=tp, pp=pp,
             split=parse.layer_split(split), microbatches=microbatches, chat=chat,
         )  # fmt: skip
     _show_generation(request)
+
+
+def _run_plan(path: str, prompt: str, max_new_tokens: int, sampling: Any, chat: bool) -> None:
+    """Execute the plan file at ``path`` (``kiln plan --out``)."""
+    import tempfile
+
+    from kiln.deploy.plan_job import request_from_plan
+    from kiln.deploy.plan_schema import load_plan
+
+    with tempfile.TemporaryDirectory(prefix="kiln-run-offload-") as store, refused():
+        request = request_from_plan(load_plan(path), prompt, max_new_tokens, store,
+                                    sampling=sampling, chat=chat)  # fmt: skip
+        lay = (request.tp, request.pp, request.weights, request.offload is not None)
+        console.print(f"[dim]plan {path}: tp {lay[0]}, pp {lay[1]}, weights {lay[2]}"
+                      f"{', blocks streamed from disk' if lay[3] else ''}[/dim]")  # fmt: skip
+        _show_generation(request)
 
 
 def _show_generation(request: GenerateRequest) -> None:

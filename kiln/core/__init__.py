@@ -5,4 +5,5 @@
 - ``native``: compiler, ISA flags, build keys, the shared SIMD headers (``include/``).
 - ``compare``: numerical comparison (tolerances per dtype, SQNR) for verification and tests.
 - ``hardware`` / ``calibrate``: device profiles for cost models, measured on this machine.
+- ``memory``: this process's peak resident memory, and freed heap handed back to the OS.
 """

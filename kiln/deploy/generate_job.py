@@ -4,8 +4,11 @@ One request names the checkpoint, the prompt and how to run it; ``generate_text`
 the path and reports what it did:
   - ``tp * pp > 1``: ranks started by ``kiln.parallel.launch`` (gloo on CPU, NCCL on GPUs),
     tensor-parallel shards inside pipeline stages, greedy or sampled as in one process;
+    each rank reads only its part of the checkpoint (``load_rank_part``) and this process
+    only the config and tokenizer, so no process ever holds the whole model;
   - ``offload="disk"``: every block's weights streamed from a file one block ahead
-    (``kiln.llm.offload``), run by the eager model;
+    (``kiln.llm.offload``), run by the eager model; the blocks go into that file as they
+    are loaded, so they are never all in memory;
   - ``speculate=k``: the fast step verifying k guesses a round of an INT8 copy of the model
     (``kiln.llm.speculative``): the same greedy text (sampled: the same distribution),
     fewer full weight reads;
@@ -21,16 +24,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kiln.compress.configs import Int8WeightOnly
 from kiln.compress.modules import CompressedLinear
 from kiln.llm.generate import Decoder, EagerDecoder, Generation, Sampling, generate
-from kiln.models.load import LoadedModel, load_model
+from kiln.models.load import LoadedModel, load_model, open_checkpoint
+from kiln.models.parts import BlockHook, chain
 from kiln.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from kiln.parallel.mesh import PartOf, RankReport
 
 ENGINES = ("auto", "fast", "eager")
 HEADS = ("auto", "fp32", "int8")
@@ -57,6 +63,7 @@ class GenerateRequest:
     chat: bool = False  # wrap the prompt in the tokenizer's chat template
     timeout_s: float = 120.0  # parallel: longest stretch without progress on any rank
     speculate: int = 0  # > 0: guesses per round of an INT8 draft (float weights)
+    weights: str | None = None  # a plan's weight format (``weights.store_in_format``)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -93,6 +100,7 @@ class GenerateResult:
     load_s: float
     weight_bytes: int  # bytes of weights one decode step reads (the tied head once more)
     notes: list[str] = field(default_factory=list)
+    ranks: list[RankReport] = field(default_factory=list)  # parallel: each rank's report
 
 
 def weight_bytes_per_token(model: Transformer) -> int:
@@ -109,8 +117,14 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
-    """Apply the head option in place; return notes saying what changed."""
+    """Apply the plan's weight format and the head option in place; return notes saying
+    what changed."""
     model = loaded.model
+    if request.weights is not None:
+        from kiln.deploy.weights import store_in_format
+
+        store_in_format(model, request.weights)
+        return [f"block weights stored as {request.weights} (the plan's format)"]
     int8_head = request.head == "int8" or (request.head == "auto" and _compressed(model))
     if not int8_head or isinstance(model.lm_head, CompressedLinear):
         return []
@@ -155,13 +169,32 @@ def choose_decoder(
         return EagerDecoder(model, batch, max_len), f"eager (fast step unavailable: {err})"
 
 
-def load_for_rank(request: GenerateRequest) -> Transformer:
-    """A rank's model (``model_factory`` of the parallel path; module-level, so picklable)."""
-    loaded = load_model(
-        request.checkpoint, DTYPES[request.dtype], request.packed, with_tokenizer=False
-    )
-    prepare(loaded, request)
-    return loaded.model
+def load_options(request: GenerateRequest) -> tuple[torch.dtype, BlockHook | None]:
+    """The dtype to load in, and the per-block hook storing each block in the plan's
+    weight format as soon as it is read (``weights.load_format``; None without a format):
+    a quantized plan never holds its float blocks all at once. ``prepare`` then does the
+    head."""
+    if request.weights is None:
+        return DTYPES[request.dtype], None
+    from kiln.deploy.weights import load_format
+
+    return load_format(request.weights)
+
+
+def load_rank_part(request: GenerateRequest, part_of: PartOf) -> Transformer:
+    """A rank's part of the model (what ``kiln.parallel.PartLoader`` calls; module-level,
+    so picklable): only its stage's blocks and its tensor-parallel slices are read, straight
+    to its device; the last stage, which holds the head, applies the head option."""
+    checkpoint = open_checkpoint(request.checkpoint, request.packed)
+    part = part_of(checkpoint.config)
+    dtype, in_format = load_options(request)
+    model = checkpoint.load(
+        dtype, part.device, layers=part.layers, shard=part.shard,
+        on_block=chain(part.on_block, in_format),
+    )  # fmt: skip
+    if part.last:
+        prepare(LoadedModel(model, checkpoint.config, None, str(checkpoint.source)), request)
+    return model
 
 
 def generate_text(
@@ -170,25 +203,30 @@ def generate_text(
     """Load, generate and time one request (see the module doc for the paths)."""
     t0 = time.perf_counter()
     progress(f"loading {request.checkpoint}")
-    loaded = load_model(request.checkpoint, DTYPES[request.dtype], request.packed)
+    if request.parallel:
+        return _generate_parallel(request, progress)
+    dtype, in_format = load_options(request)
+    if request.offload:
+        from kiln.llm.offload import load_offloaded
+
+        progress(f"loading {request.checkpoint} block by block into {request.offload}")
+        loaded, _ = load_offloaded(
+            request.checkpoint, request.offload, dtype, request.packed, on_block=in_format
+        )
+    else:
+        loaded = load_model(request.checkpoint, dtype, request.packed, on_block=in_format)
     notes = prepare(loaded, request)
     load_s = time.perf_counter() - t0
     prompt = encode_prompt(loaded.tokenizer, request.prompt, request.chat)
     max_len = prompt.shape[1] + request.max_new_tokens
     stops = loaded.config.eos_token_ids
     nbytes = weight_bytes_per_token(loaded.model)
-    if request.parallel:
-        gen, engine = _generate_parallel(request, prompt, stops, progress)
-    elif request.speculate:
+    if request.speculate:
         gen, engine = _generate_speculative(loaded.model, request, prompt, stops, progress)
         notes.append("tokens/s and GB/s count emitted tokens: a round reads the INT8 draft "
                      "k times and the model once")  # fmt: skip
     else:
         if request.offload:
-            from kiln.llm.offload import offload_
-
-            progress(f"writing the offload store to {request.offload}")
-            offload_(loaded.model, Path(request.offload), tier="disk")
             decoder: Decoder = EagerDecoder(loaded.model, 1, max_len)
             engine = f"eager, block weights streamed from {request.offload}"
         else:
@@ -200,20 +238,31 @@ def generate_text(
     return GenerateResult(text, gen, engine, load_s, nbytes, notes)
 
 
-def _generate_parallel(
-    request: GenerateRequest, prompt: torch.Tensor, stops: tuple[int, ...],
-    progress: Callable[[str], None],
-) -> tuple[Generation, str]:  # fmt: skip
-    from kiln.parallel.mesh import run_parallel
+def _generate_parallel(request: GenerateRequest, progress: Callable[[str], None]) -> GenerateResult:
+    """Generation on tp x pp ranks, each loading only its part; this process reads the
+    config and tokenizer only. ``load_s`` is the slowest rank's load, ``weight_bytes``
+    what all ranks read a step (replicated norms and heads once per rank holding them)."""
+    from kiln.parallel.mesh import PartLoader, run_parallel_job
 
+    checkpoint = open_checkpoint(request.checkpoint, request.packed)  # no weight read
+    tokenizer = checkpoint.tokenizer()
+    prompt = encode_prompt(tokenizer, request.prompt, request.chat)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     progress(f"starting {request.tp * request.pp} ranks ({backend})")
-    gen = run_parallel(
-        partial(load_for_rank, request), prompt, request.max_new_tokens, request.tp,
-        request.pp, request.split, request.microbatches, request.timeout_s, backend,
-        sampling=request.sampling, stop_ids=stops,
+    run = run_parallel_job(
+        PartLoader(partial(load_rank_part, request)), prompt, request.max_new_tokens,
+        request.tp, request.pp, request.split, request.microbatches, request.timeout_s,
+        backend, sampling=request.sampling, stop_ids=checkpoint.config.eos_token_ids,
     )  # fmt: skip
-    return gen, f"tp={request.tp} x pp={request.pp} ranks ({backend}), eager stages"
+    assert tokenizer is not None  # encode_prompt refused a checkpoint without one
+    text = tokenizer.decode(run.generation.tokens[0].tolist(), skip_special_tokens=True)
+    peaks = [f"{r.peak_rss_bytes / 1e6:.0f}" for r in run.ranks if r.peak_rss_bytes is not None]
+    notes = [f"each rank read only its part; peak resident memory by rank: {' / '.join(peaks)} MB"]
+    engine = f"tp={request.tp} x pp={request.pp} ranks ({backend}), eager stages"
+    return GenerateResult(
+        text, run.generation, engine, max(r.load_s for r in run.ranks),
+        sum(r.weight_bytes for r in run.ranks), notes, run.ranks,
+    )  # fmt: skip
 
 
 def _generate_speculative(

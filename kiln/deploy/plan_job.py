@@ -92,3 +92,35 @@ def measurements(
     threads = {threads_per_rank(cores, ranks) for ranks in range(1, hw.count + 1)}
     rates = {t: load_rates(t, note=note) for t in sorted(threads, reverse=True)}
     return Measurements(checkpoint_bytes(model), rates, cores)
+
+
+def request_from_plan(
+    doc: dict[str, Any], prompt: str, max_new_tokens: int, offload_dir: str | None = None,
+    **options: Any,
+) -> Any:  # fmt: skip
+    """The ``GenerateRequest`` that executes plan document ``doc`` (checked) on this machine:
+    its checkpoint, weight format, ranks and stage split, and a disk offload store in
+    ``offload_dir`` when the plan streams its blocks. ``options``: sampling, chat, ..."""
+    import torch
+
+    from kiln.deploy.generate_job import GenerateRequest
+
+    doc = check_plan(doc)
+    lay = doc["layout"]
+    on_gpu = lay["device_type"] != "cpu"
+    if on_gpu and not torch.cuda.is_available():
+        raise ValueError(f"this plan is for {lay['devices']} x {lay['device_type']}; this "
+                         "machine has no GPU (plan again with --hardware cpu)")  # fmt: skip
+    if lay["offload"] == "host" and not on_gpu:
+        raise ValueError("a CPU plan cannot offload to host memory (it is the device)")
+    if lay["offload"] != "none" and offload_dir is None:
+        raise ValueError("this plan streams its blocks from disk: give a folder for the store")
+    parallel = lay["tp"] * lay["pp"] > 1
+    return GenerateRequest(
+        checkpoint=doc["model"], prompt=prompt, max_new_tokens=max_new_tokens,
+        weights=doc["compression"]["format"], tp=lay["tp"], pp=lay["pp"],
+        split=tuple(lay["stage_layers"]) if lay["pp"] > 1 else None,
+        offload=offload_dir if lay["offload"] != "none" else None,
+        engine="eager" if parallel or lay["offload"] != "none" else "auto",
+        packed=False, **options,
+    )  # fmt: skip

@@ -6,13 +6,24 @@ weight-only kernels, the head then INT8 too (as ``kiln generate`` runs a compres
 Execution (``execute``), ``kiln run PLAN.json`` (``generate_job``) and the engine timings the
 planner prices plans with (``kernel_rates``) all go through it, so what is timed is what
 runs.
+
+A streaming load applies the format while it reads (``load_format``: the dtype to read in
+and a per-block hook quantizing each block as soon as it is read), so the float model
+never exists whole; ``store_in_format`` then leaves those blocks as they are (and blocks
+a partial load never read, or an offloaded model's placeholders) and does the head.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from kiln.models.transformer import Transformer
+
+if TYPE_CHECKING:
+    from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly
+    from kiln.models.parts import BlockHook
 
 FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -21,17 +32,35 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
     """Store ``model``'s block weights in the plan format ``fmt`` in place: bf16, or kiln's
     INT8 / INT4 kernels (then the head too is INT8, as ``kiln generate`` runs a compressed
     model); fp32 leaves it as it is."""
-    from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
+    from kiln.compress import Int8WeightOnly, quantize_
     from kiln.llm.fast_decoder import quantize_head_
 
     if fmt in FORMAT_DTYPES:
         return model.to(FORMAT_DTYPES[fmt])
-    blocks = lambda _m, name: name.startswith("layers.")  # noqa: E731
-    if fmt == "int8":
-        quantize_(model, Int8WeightOnly(), filter_fn=blocks)
-    elif fmt.startswith("int4-g"):
-        quantize_(model, Int4WeightOnly(group_size=int(fmt[len("int4-g") :])), filter_fn=blocks)
-    else:
-        raise ValueError(f"kiln cannot store weights as {fmt!r}")
+    config = _quantization(fmt)
+    # float block linears with data: not those quantized while loading, nor meta ones
+    blocks = lambda m, name: name.startswith("layers.") and not m.weight.is_meta  # noqa: E731
+    quantize_(model, config, filter_fn=blocks)
     quantize_head_(model, Int8WeightOnly())
     return model
+
+
+def load_format(fmt: str) -> tuple[torch.dtype, BlockHook | None]:
+    """How a streaming load (``kiln.models.load``) applies ``fmt``: the dtype to read the
+    weights in, and the per-block hook quantizing each block as soon as it is read (None
+    for the float formats). ``store_in_format`` afterwards does the head."""
+    if fmt in FORMAT_DTYPES:
+        return FORMAT_DTYPES[fmt], None
+    from kiln.models.parts import quantize_blocks
+
+    return torch.float32, quantize_blocks(_quantization(fmt))
+
+
+def _quantization(fmt: str) -> Int8WeightOnly | Int4WeightOnly:
+    from kiln.compress import Int4WeightOnly, Int8WeightOnly
+
+    if fmt == "int8":
+        return Int8WeightOnly()
+    if fmt.startswith("int4-g"):
+        return Int4WeightOnly(group_size=int(fmt[len("int4-g") :]))
+    raise ValueError(f"kiln cannot store weights as {fmt!r}")

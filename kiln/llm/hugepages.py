@@ -6,7 +6,9 @@ anonymous mapping with huge pages when ``/sys/kernel/mm/transparent_hugepage/ena
 ``always``, or ``madvise`` and the range was marked with ``madvise(MADV_HUGEPAGE)``; torch's
 allocator does neither. ``move_to_huge_pages_`` copies a module's CPU parameters into one
 2 MB-aligned arena so marked and rebinds each parameter to its view there: the values,
-dtypes, shapes and tied parameters stay as they were, the old copies are freed. Measured on
+dtypes, shapes and tied parameters stay as they were, the old copies are freed — one
+parameter at a time, the freed heap handed back to the OS as it goes, so the move needs
+little more memory than the model (copying all, then freeing all, needed twice as much). Measured on
 the fp32 SmolLM2 decode step here (AMD EPYC, 2 threads, steps of both layouts alternated in
 one process): 8% faster (median 23.2 -> 21.2 ms).
 
@@ -26,8 +28,11 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from kiln.core.memory import trim_heap
+
 HUGE_PAGE = 2 << 20
 ALIGN = 64  # each tensor's first byte: a cache line
+TRIM_EVERY = 16 << 20  # bytes moved between handing freed heap back to the OS
 MADV_HUGEPAGE = 14  # linux/mman.h
 THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -101,13 +106,23 @@ def move_to_huge_pages_(module: nn.Module) -> tuple[int, str]:
     params = [p for p in params if not _moved(p)]
     if not params:
         return 0, "no CPU parameters outside huge pages"
-    copies, why = copy_to_huge_pages([p.data for p in params])
-    if not copies:
+    sizes = [p.numel() * p.element_size() for p in params]
+    arena, why = huge_page_arena(sum(_aligned(n) for n in sizes))
+    if arena is None:
         return 0, why
-    for p, view in zip(params, copies, strict=True):
-        p.data = view
-        _MOVED[id(p)] = weakref.ref(p)
-    return sum(_aligned(p.numel() * p.element_size()) for p in params), ""
+    offset, unreturned = 0, 0
+    with torch.no_grad():
+        for p, size in zip(params, sizes, strict=True):
+            view = arena[offset : offset + size].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view  # the old copy is freed now (unless something else holds it)
+            _MOVED[id(p)] = weakref.ref(p)
+            offset, unreturned = offset + _aligned(size), unreturned + size
+            if unreturned >= TRIM_EVERY:
+                trim_heap()
+                unreturned = 0
+    trim_heap()
+    return offset, ""
 
 
 # The parameters moved so far, by id (a parameter whose .data is later replaced is not

@@ -22,6 +22,11 @@ Forward hooks on each block bind its tensors just before its forward and unbind 
   and compute -> next copy into the same buffer (free), so the copy of block i+1 overlaps
   block i's compute.
 
+``load_offloaded`` streams a checkpoint straight into a store: each block is written as
+soon as the loader has read it (``StreamToStore``, the loader's per-block hook) and
+released, so the model's blocks never are all in memory, not even while loading: peak
+memory is the resident modules + about one block, for a model larger than RAM too.
+
 Prefetching wraps around: the last block prefetches block 0 of the next forward, so decode
 steps overlap too. Modules that derive state from their tensors (compressed layers cache a
 repacked kernel) override ``nn.Module._apply``; they get an identity ``_apply`` — the same
@@ -53,6 +58,7 @@ from kiln.llm.offload_store import (
     PinnedSource,
     Slot,
     Source,
+    StoreWriter,
     block_state,
     block_views,
     check_state,
@@ -61,10 +67,12 @@ from kiln.llm.offload_store import (
     read_store,
     write_store,
 )
-from kiln.models.transformer import Transformer
+from kiln.models.load import LoadedModel, load_model
+from kiln.models.parts import BlockHook, chain
+from kiln.models.transformer import Block, Transformer
 
 Tier = Literal["disk", "cpu"]
-__all__ = ["HostKVCache", "Offloaded", "offload_"]
+__all__ = ["HostKVCache", "Offloaded", "StreamToStore", "load_offloaded", "offload_"]
 
 
 def _same(t: Tensor) -> Tensor:
@@ -283,3 +291,68 @@ def offload_(
         source = PinnedSource(host, dev)
     del states
     return Offloaded(model, specs, source, prefetch)
+
+
+class StreamToStore:
+    """The loader's per-block hook (``kiln.models.parts.BlockHook``) that writes each block
+    to a disk offload store as soon as it is filled and leaves meta placeholders in its
+    place: its tensors are freed before the next block is read. Blocks must come in order
+    0, 1, ...; ``finish`` writes the manifest, after which ``offload_(model, store,
+    write=False)`` streams them back per forward."""
+
+    def __init__(self, store: Path) -> None:
+        self.writer = StoreWriter(store)
+
+    def __call__(self, index: int, block: Block) -> None:
+        if index != len(self.writer.specs):
+            raise ValueError(
+                f"block {index} came after {len(self.writer.specs)} blocks: an offload store "
+                "holds every block of the model, in order"
+            )
+        state = block_state(block)
+        self.writer.add(state)
+        for name, t in state.items():
+            prefix, _, attr = name.rpartition(".")
+            module = block.get_submodule(prefix)
+            meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
+            if attr in module._parameters:
+                module._parameters[attr] = nn.Parameter(meta, requires_grad=False)
+            else:
+                module._buffers[attr] = meta
+
+    def finish(self) -> None:
+        self.writer.finish()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def load_offloaded(
+    path: str | Path,
+    store: str | Path,
+    dtype: torch.dtype = torch.float32,
+    packed: bool = True,
+    *,
+    prefetch: int = 1,
+    evict_page_cache: bool = False,
+    with_tokenizer: bool = True,
+    on_block: BlockHook | None = None,
+) -> tuple[LoadedModel, Offloaded]:
+    """Load checkpoint ``path`` (``kiln.models.load.load_model``) with every block streamed
+    straight into the disk store ``store`` and offloaded from there (CPU compute; see the
+    module doc): the loaded model's blocks are meta placeholders. ``on_block`` runs on each
+    block before it is stored (e.g. ``kiln.models.parts.quantize_blocks``)."""
+    folder = Path(store)
+    sink = StreamToStore(folder)
+    try:
+        loaded = load_model(
+            path, dtype, packed, with_tokenizer=with_tokenizer, on_block=chain(on_block, sink)
+        )
+        sink.finish()
+    finally:
+        sink.close()
+    handle = offload_(
+        loaded.model, folder, tier="disk", prefetch=prefetch, write=False,
+        evict_page_cache=evict_page_cache,
+    )  # fmt: skip
+    return loaded, handle

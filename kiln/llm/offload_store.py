@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, BinaryIO, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -135,40 +135,75 @@ def check_state(spec: BlockSpec, state: Mapping[str, Tensor]) -> None:
             )
 
 
+class StoreWriter:
+    """Writes a store one block at a time: ``add`` appends a block's tensors to
+    ``blocks.bin`` (so a loader can write each block as soon as it is read and release it),
+    ``finish`` writes the manifest. A writer closed without ``finish`` (an error) leaves no
+    manifest, so the half-written store is refused."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / MANIFEST).unlink(missing_ok=True)  # the store is invalid until written again
+        self._file: BinaryIO | None = open(folder / DATA, "wb")  # noqa: SIM115 (closed in finish)
+        self.specs: list[BlockSpec] = []
+        self._offset = 0
+
+    def add(self, state: Mapping[str, Tensor]) -> BlockSpec:
+        """Append the next block (``state``: its tensors by ``state_dict`` name)."""
+        if self._file is None:
+            raise ValueError(f"the store writer of {self.folder} is closed")
+        spec = plan_block(len(self.specs), state, self._offset)
+        for t, tensor in zip(spec.tensors, state.values()):
+            self._file.seek(spec.offset + t.offset)
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self._file.write(memoryview(flat.numpy()))  # type: ignore[arg-type]
+        self.specs.append(spec)
+        self._offset = _round_up(spec.offset + spec.nbytes, BLOCK_ALIGN)
+        return spec
+
+    def finish(self) -> list[BlockSpec]:
+        """Close ``blocks.bin`` and write the manifest; returns every block's layout."""
+        if self._file is None:
+            raise ValueError(f"the store writer of {self.folder} is closed")
+        self._file.truncate(self._offset)
+        self.close()
+        blocks = [
+            {
+                "offset": s.offset,
+                "nbytes": s.nbytes,
+                "tensors": [
+                    {
+                        "name": t.name,
+                        "dtype": str(t.dtype).removeprefix("torch."),
+                        "shape": list(t.shape),
+                        "offset": t.offset,
+                    }
+                    for t in s.tensors
+                ],
+            }  # fmt: skip
+            for s in self.specs
+        ]
+        manifest = {"format": FORMAT, "file_bytes": self._offset, "blocks": blocks}
+        (self.folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
+        return self.specs
+
+    def close(self) -> None:
+        """Close ``blocks.bin`` (without a manifest unless ``finish`` wrote it)."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
 def write_store(folder: Path, states: Sequence[Mapping[str, Tensor]]) -> list[BlockSpec]:
     """Write every block's tensors to ``folder/blocks.bin`` and then the manifest."""
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / MANIFEST).unlink(missing_ok=True)  # the store is invalid until written again
-    specs, offset = [], 0
-    with open(folder / DATA, "wb") as f:
-        for i, state in enumerate(states):
-            spec = plan_block(i, state, offset)
-            for t, tensor in zip(spec.tensors, state.values()):
-                f.seek(spec.offset + t.offset)
-                flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
-                f.write(memoryview(flat.numpy()))  # type: ignore[arg-type]
-            specs.append(spec)
-            offset = _round_up(spec.offset + spec.nbytes, BLOCK_ALIGN)
-        f.truncate(offset)
-    blocks = [
-        {
-            "offset": s.offset,
-            "nbytes": s.nbytes,
-            "tensors": [
-                {
-                    "name": t.name,
-                    "dtype": str(t.dtype).removeprefix("torch."),
-                    "shape": list(t.shape),
-                    "offset": t.offset,
-                }
-                for t in s.tensors
-            ],
-        }  # fmt: skip
-        for s in specs
-    ]
-    manifest = {"format": FORMAT, "file_bytes": offset, "blocks": blocks}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1), encoding="utf-8")
-    return specs
+    writer = StoreWriter(folder)
+    try:
+        for state in states:
+            writer.add(state)
+        return writer.finish()
+    finally:
+        writer.close()
 
 
 def read_store(folder: Path) -> list[BlockSpec]:

@@ -2,26 +2,32 @@
 
 Metadata -> ``ModelConfig`` for the ``llama`` architecture (``llama.*`` keys; Mistral and
 SmolLM-style models are written as ``llama`` too); other architectures raise ``ConfigError``
-naming them. Tensors are views of the memory-mapped file (copy-on-write, so torch can wrap
-them without a copy):
+naming them. The reader maps the file (copy-on-write) for its header and tensor table;
+tensor data is read with explicit reads of just the rows asked for (``file_reads``), so a
+streaming load keeps no page of the mapping resident:
 
-* F32 / F16: taken as they are (converted to the requested dtype by the loader).
+* F32 / F16: taken as they are (converted to the requested dtype by the loader); those
+  that need no reordering can also be zero-copy views of the mapping (``LazyTensor.view``).
 * Q4_1 and Q4_0 linear weights, with ``packed=True``: kept 4-bit as kiln's ``Int4Linear``
   (group 32, asymmetric). A Q4_1 block is fp16 ``d``, fp16 ``m`` and 16 bytes whose byte j
   holds element j (low nibble) and element j + 16 (high nibble), ``w = d * q + m``; Q4_0
   has no ``m`` and ``w = d * (q - 8)``, i.e. scale ``d`` and offset ``-8 d``. The nibbles
   are re-paired into kiln's layout (low nibble = even k); values are bit-identical.
 * Everything else (Q8_0, K-quants, Q4 with ``packed=False``): dequantized to float32 by
-  ``gguf.quants.dequantize``.
+  ``gguf.quants.dequantize``, a few MB of rows at a time into the output tensor (so the
+  dequantizer's temporaries stay small next to a 100 MB embedding table).
 
 llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` within each head so its
 interleaved (GPT-J style) rotary works; kiln rotates halves (like transformers), so the
-permutation is undone here — per row, so packed rows are moved the same way.
+permutation is undone here — per row, so packed rows are moved the same way; a range of
+rows is read out to whole heads, reordered, then cut.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,7 @@ from torch import Tensor
 
 from kiln.compress.modules import Int4Linear
 from kiln.models.config import ConfigError, ModelConfig
+from kiln.models.file_reads import read_bytes
 from kiln.models.readers import LazyTensor, LoadError
 
 Q = gguf.GGMLQuantizationType
@@ -44,6 +51,7 @@ _LAYER = {
 _TOP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
 _LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
 _PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32
+_CHUNK_BYTES = 8 * 2**20  # fp32 bytes dequantized at a time
 
 
 def open_reader(path: Path) -> gguf.GGUFReader:
@@ -151,37 +159,97 @@ def q4_to_int4(data: np.ndarray, kind: Q, n: int, k: int) -> tuple[Tensor, Tenso
     return torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(offset)
 
 
-def _float(t: Any) -> Tensor:
-    """A GGUF tensor as a float torch tensor in kiln's (rows, cols) order."""
-    shape = tuple(int(s) for s in reversed(t.shape))
+def _stored_rows(path: Path, t: Any, start: int, stop: int) -> np.ndarray:
+    """Rows [start, stop) of ``t``'s stored data as laid out in the file — (rows, cols) for
+    floats, (rows, bytes per row) for quantized blocks, elements for a 1-D tensor — read
+    explicitly into new memory. ``t.data`` (the mapping) gives only dtype and shape."""
+    layout = t.data  # no page of it is touched here
+    row_bytes = t.n_bytes // layout.shape[0]
+    raw = read_bytes(path, t.data_offset + start * row_bytes, (stop - start) * row_bytes)
+    return raw.numpy().view(layout.dtype).reshape(stop - start, *layout.shape[1:])
+
+
+def _float_rows(path: Path, t: Any, shape: tuple[int, ...], start: int, stop: int) -> Tensor:
+    """Rows [start, stop) of tensor ``t`` (kiln ``shape``) as a float torch tensor."""
     if t.tensor_type in (Q.F32, Q.F16):
-        return torch.from_numpy(t.data).reshape(shape)
-    try:
-        values = gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)  # plain ndarray: fast
-    except NotImplementedError as err:
-        raise LoadError(f"tensor {t.name}: cannot dequantize {t.tensor_type.name} ({err})") from err
-    return torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(shape)
+        return torch.from_numpy(_stored_rows(path, t, start, stop)).reshape(
+            stop - start, *shape[1:]
+        )
+    if len(shape) == 1:  # a block of a quantized vector holds several elements: read it whole
+        whole = _dequantize(t, _stored_rows(path, t, 0, t.data.shape[0]), shape)
+        return whole if (start, stop) == (0, shape[0]) else whole[start:stop].clone()
+    return _dequantize(t, _stored_rows(path, t, start, stop), (stop - start, *shape[1:]))
 
 
-def _lazy(t: Any, cfg: ModelConfig, packed: bool) -> Callable[[], Tensor | Int4Linear]:
+def _dequantize(t: Any, blocks: np.ndarray, shape: tuple[int, ...]) -> Tensor:
+    """Quantized ``blocks`` of tensor ``t`` -> float32 (``shape``), a few MB of rows at a
+    time (the dequantizer's temporaries are several times its output)."""
+    out = torch.empty(shape, dtype=torch.float32)
+    step = max(1, _CHUNK_BYTES // (4 * math.prod(shape[1:]))) if len(shape) > 1 else len(blocks)
+    for r in range(0, len(blocks), step):
+        try:
+            values = gguf.quants.dequantize(blocks[r : r + step], t.tensor_type)
+        except NotImplementedError as err:
+            raise LoadError(
+                f"tensor {t.name}: cannot dequantize {t.tensor_type.name} ({err})"
+            ) from err
+        part = out[r : r + step]
+        part.copy_(torch.from_numpy(np.asarray(values, dtype=np.float32)).reshape(part.shape))
+    return out
+
+
+def _head_rows(
+    read: Callable[[int, int], Any], heads_rows: int | None, reorder: Callable[[Any, int], Any],
+    start: int, stop: int,
+) -> Any:  # fmt: skip
+    """``read(start, stop)`` for a tensor whose rows are permuted within each head of
+    ``heads_rows`` rows (None: not permuted): the whole heads around the range are read and
+    reordered (``reorder(value, heads)``), then cut to [start, stop)."""
+    if heads_rows is None:
+        return read(start, stop)
+    a, b = start // heads_rows * heads_rows, -(-stop // heads_rows) * heads_rows
+    value = reorder(read(a, b), (b - a) // heads_rows)
+    return value if (a, b) == (start, stop) else _cut_rows(value, start - a, stop - a)
+
+
+def _cut_rows(value: Any, start: int, stop: int) -> Any:
+    """Rows [start, stop) of a float tensor (copied) or of an ``Int4Linear``."""
+    if isinstance(value, Int4Linear):
+        return value.slice_rows(start, stop)
+    return value[start:stop].contiguous()
+
+
+def _lazy(t: Any, cfg: ModelConfig, path: Path, packed: bool) -> LazyTensor:
     """How to read tensor ``t``: packed INT4 layer, or float; q/k weights and biases get
     their rows reordered (the converter permutes both)."""
     part = t.name.split(".")[-2]
     shape = tuple(int(s) for s in reversed(t.shape))  # (N,) or (N, K)
+    origin = f"{t.name} ({t.tensor_type.name}) in {path.name}"
     heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(part)
     if heads is not None and shape[0] != heads * cfg.head_dim:
         heads = None  # the shape check reports it; nothing to reorder
-    order: Callable[[Tensor], Tensor] = (
-        (lambda x: x) if heads is None else (lambda x: unpermute_rows(x, heads))
-    )
+    per_head = None if heads is None else cfg.head_dim
     if packed and part in _LINEARS and t.tensor_type in _PACKABLE and len(shape) == 2:
 
-        def read_packed() -> Int4Linear:
-            q, scale, offset = (order(x) for x in q4_to_int4(t.data, t.tensor_type, *shape))
+        def packed_rows(start: int, stop: int) -> Int4Linear:
+            raw = _stored_rows(path, t, start, stop)
+            q, scale, offset = q4_to_int4(raw, t.tensor_type, stop - start, shape[1])
             return Int4Linear(q, scale, offset, group_size=32, bias=None)
 
-        return read_packed
-    return lambda: order(_float(t))
+        def reorder_layer(layer: Int4Linear, n: int) -> Int4Linear:
+            q, scale, offset = (
+                unpermute_rows(x, n) for x in (layer.packed, layer.scale, layer.offset)
+            )
+            return Int4Linear(q, scale, offset, group_size=32, bias=None)
+
+        return LazyTensor(origin, shape, partial(_head_rows, packed_rows, per_head, reorder_layer))
+    float_rows = partial(_float_rows, path, t, shape)
+    lazy_rows = partial(_head_rows, float_rows, per_head, unpermute_rows)
+    if heads is None and t.tensor_type in (Q.F32, Q.F16):  # the stored tensor is the value
+        return LazyTensor(
+            origin, shape, lazy_rows, view=lambda: torch.from_numpy(t.data).reshape(shape)
+        )
+    return LazyTensor(origin, shape, lazy_rows)
 
 
 def read_tensors(
@@ -195,10 +263,7 @@ def read_tensors(
             raise LoadError(
                 f"{path}: unexpected tensor {t.name!r} (no llama parameter of kiln's model matches it)"
             )
-        shape = tuple(int(s) for s in reversed(t.shape))
-        out[target] = LazyTensor(
-            f"{t.name} ({t.tensor_type.name}) in {path.name}", shape, _lazy(t, cfg, packed)
-        )
+        out[target] = _lazy(t, cfg, path, packed)
     return out
 
 

@@ -8,8 +8,9 @@ is supported; every other type, and every switch kiln has no equivalent for, rai
 ``ConfigError`` naming it.
 
 Weights come from ``model.safetensors`` or the shards listed by
-``model.safetensors.index.json``, opened with ``safe_open``: tensors are views of the
-memory-mapped file, copied only when converted (dtype, GPT-2's transposes). Gemma's four
+``model.safetensors.index.json``: opened with ``safe_open`` a tensor is a view of the
+memory-mapped file (``LazyTensor.view``); read explicitly (``file_reads``) it is a new copy
+of just its bytes, or of a range of its rows (``LazyTensor.read_rows``). Gemma's four
 norms map to attn_norm / post_attn_norm / mlp_norm / post_mlp_norm; GPT-2's ``Conv1D``
 weights (in, out) are transposed and its fused ``c_attn`` split into q, k, v.
 """
@@ -26,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from kiln.models.config import Activation, ConfigError, ModelConfig
+from kiln.models.file_reads import SafetensorsLayout
 from kiln.models.readers import LazyTensor, LoadError
 
 FAMILIES = ("llama", "mistral", "qwen2", "gemma2", "gemma3_text", "gemma3", "gpt2", "opt")
@@ -335,8 +337,12 @@ def _open(path: Path) -> Any:
         raise LoadError(f"{path}: unreadable safetensors file ({err})") from err
 
 
-def _reader(handle: Any, name: str, edit: Callable[[Tensor], Tensor]) -> Callable[[], Tensor]:
-    return lambda: edit(handle.get_tensor(name))
+def _edited_rows(
+    layout: SafetensorsLayout, name: str, edit: Callable[[Tensor], Tensor]
+) -> Callable[[int, int], Tensor]:
+    """Rows of ``edit(tensor)`` (a transpose, a split): the stored tensor is read whole,
+    then the rows are copied out of the edited view."""
+    return lambda start, stop: edit(layout.read(name))[start:stop].contiguous()
 
 
 def read_tensors(
@@ -346,7 +352,7 @@ def read_tensors(
     Tensors of ``skip_modules`` (compressed layers, read by ``compressed.py``) are left out."""
     out: dict[str, LazyTensor] = {}
     for path in _shards(folder):
-        handle = _open(path)
+        handle, layout = _open(path), SafetensorsLayout(path)
         for name in handle.keys():  # noqa: SIM118 (a safe_open handle)
             if _IGNORED.fullmatch(name) or name.rpartition(".")[0] in skip_modules:
                 continue
@@ -354,7 +360,7 @@ def read_tensors(
             shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
             if dtype not in FLOAT_DTYPES:
                 raise LoadError(f"{path}: tensor {name} has dtype {dtype}, not a float")
-            for target, lazy in _entries(cfg.family, handle, name, shape, path).items():
+            for target, lazy in _entries(cfg.family, handle, layout, name, shape).items():
                 if target in out:
                     raise LoadError(f"{folder}: {lazy.origin} and {out[target].origin} both "
                                     f"map to {target}")  # fmt: skip
@@ -367,23 +373,31 @@ _CONV1D = re.compile(r"(?:transformer\.)?h\.\d+\.(?:attn\.c_proj|mlp\.c_fc|mlp\.
 
 
 def _entries(
-    family: str, handle: Any, name: str, shape: tuple[int, ...], path: Path
+    family: str, handle: Any, layout: SafetensorsLayout, name: str, shape: tuple[int, ...]
 ) -> dict[str, LazyTensor]:
     """The kiln parameter(s) one checkpoint tensor provides, with their readers."""
+    path = layout.path
     origin = f"{name} in {path.name}"
     if family == "gpt2" and (m := _C_ATTN.fullmatch(name)):
-        return _split_c_attn(handle, name, shape, origin, f"layers.{m[1]}.attn.{{}}.{m[2]}")
+        return _split_c_attn(layout, name, shape, origin, f"layers.{m[1]}.attn.{{}}.{m[2]}")
     target = rename(family, name)
     if target is None:
         raise LoadError(f"{path}: unexpected tensor {name!r} (no {family} parameter of kiln's "
                         "model matches it)")  # fmt: skip
     if family == "gpt2" and _CONV1D.fullmatch(name):  # Conv1D stores (in, out)
-        return {target: LazyTensor(origin, shape[::-1], _reader(handle, name, Tensor.t))}
-    return {target: LazyTensor(origin, shape, _reader(handle, name, lambda t: t))}
+        return {target: LazyTensor(origin, shape[::-1], _edited_rows(layout, name, Tensor.t))}
+    return {
+        target: LazyTensor(
+            origin,
+            shape,
+            lambda start, stop: layout.read(name, (start, stop)),
+            view=lambda: handle.get_tensor(name),
+        )  # fmt: skip
+    }
 
 
 def _split_c_attn(
-    handle: Any, name: str, shape: tuple[int, ...], origin: str, target: str
+    layout: SafetensorsLayout, name: str, shape: tuple[int, ...], origin: str, target: str
 ) -> dict[str, LazyTensor]:
     """GPT-2's fused Conv1D ``c_attn`` (in, 3 * out) [or bias (3 * out,)] -> q, k, v.
     A width not divisible by 3 is passed on whole, for the shape check to report."""
@@ -397,6 +411,6 @@ def _split_c_attn(
 
         out[target.format(part)] = LazyTensor(
             f"{origin} [columns {cols.start}:{cols.stop}]",
-            (width, *shape[:-1]), _reader(handle, name, edit),
+            (width, *shape[:-1]), _edited_rows(layout, name, edit),
         )  # fmt: skip
     return out

@@ -1,33 +1,38 @@
 """``load_model``: a Hugging Face folder, a GGUF file or a catalog name -> a ready ``Transformer``.
 
-The readers (``hf.py``, ``gguf.py``) give a ``ModelConfig`` and every tensor as a
-``LazyTensor`` (name, shape, where it lives). ``build_model`` checks that set against the
-model before reading anything — a missing tensor, an unexpected one or a wrong shape is a
-``LoadError`` naming it, the file, and both shapes — then builds the model on the meta
-device and reads the tensors one at a time into it: no random initialisation, no second
-copy of the checkpoint. Tensors already in the requested dtype stay views of the
-memory-mapped file; packed GGUF layers replace their ``nn.Linear`` with ``Int4Linear``.
+The readers (``hf.py``, ``gguf.py``, ``compressed.py``) give a ``ModelConfig`` and every
+tensor as a ``LazyTensor`` (name, shape, how to read it); ``open_checkpoint`` stops there
+(a ``Checkpoint``: config, tensor table, tokenizer on request, no weight read).
+``kiln.models.fill`` checks the table against the model before reading anything, builds
+the model on the meta device and reads the tensors one block at a time: no random
+initialisation, no second copy of the checkpoint. A load can be a part of the model and
+stream each block to where it goes (``kiln.models.parts``): ``layers`` (a pipeline
+stage: the other blocks are never read), ``shard`` (a tensor-parallel rank's rows or
+columns of each block linear: only those are read), ``on_block`` (quantize the block,
+write it to an offload store, ... as soon as it is filled). Tensors kept as stored in the
+requested dtype stay views of the memory-mapped file; packed GGUF layers replace their
+``nn.Linear`` with ``Int4Linear``.
 
     loaded = load_model("smollm2")                     # the catalog's GGUF, Q4_1 kept packed
     loaded = load_model("/ckpt/llama", dtype=torch.bfloat16)
     logits = loaded.model(tokens, 0, loaded.model.new_cache(1, 256))
+    stage = load_model("/ckpt/llama", layers=range(16, 32)).model  # blocks 0-15 on meta
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
 
-from kiln.compress.modules import CompressedLinear
 from kiln.core.offline import hub_offline
 from kiln.models import catalog, compressed, hf
 from kiln.models import gguf as gguf_reader
 from kiln.models.config import ModelConfig
+from kiln.models.fill import build_model
+from kiln.models.parts import BlockHook, BlockShard
 from kiln.models.readers import LazyTensor, LoadError
 from kiln.models.transformer import Transformer
 
@@ -47,41 +52,98 @@ class LoadedModel:
     source: str
 
 
-def load_model(
-    path: str | Path,
-    dtype: torch.dtype = torch.float32,
-    packed: bool = True,
-    device: torch.device | str = "cpu",
-    with_tokenizer: bool = True,
-) -> LoadedModel:
-    """Load a Hugging Face folder, a ``.gguf`` file or a catalog name ("smollm2").
+@dataclass
+class Checkpoint:
+    """An opened checkpoint: its config and every tensor's name, shape and reader, with no
+    weight read yet. ``load`` reads (a part of) it into a ``Transformer``."""
 
-    ``dtype`` (float32 / bfloat16 / float16) is that of every float parameter; ``packed``
-    keeps a GGUF's Q4_0 / Q4_1 linear weights 4-bit (``Int4Linear``, which computes in
-    fp32) instead of dequantizing them; HF checkpoints ignore it. Raises ``LoadError`` or
-    ``ConfigError`` naming the file and what is wrong.
-    """
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    config: ModelConfig
+    tensors: dict[str, LazyTensor]
+    source: Path
+    tokenizer_source: tuple[Path, dict[str, Any]] | None = field(default=None, repr=False)
+
+    def load(
+        self,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        *,
+        layers: range | None = None,
+        shard: BlockShard | None = None,
+        on_block: BlockHook | None = None,
+    ) -> Transformer:
+        """The model holding this checkpoint's weights (``load_model`` documents the
+        arguments); blocks outside ``layers`` stay on the meta device."""
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+        return build_model(
+            self.config, self.tensors, dtype, str(self.source), layers=layers, shard=shard,
+            on_block=on_block, device=device,
+        )  # fmt: skip
+
+    def tokenizer(self) -> Any | None:
+        """The checkpoint's tokenizer through transformers (None when it has none)."""
+        if self.tokenizer_source is None:
+            return None
+        folder, kwargs = self.tokenizer_source
+        return _auto_tokenizer(folder, **kwargs)
+
+
+def open_checkpoint(path: str | Path, packed: bool = True) -> Checkpoint:
+    """Read the config and tensor table of a Hugging Face folder, a ``.gguf`` file or a
+    catalog name; no weight is read. ``packed``: keep a GGUF's Q4_0 / Q4_1 linear weights
+    4-bit (``Int4Linear``) instead of dequantizing them (HF checkpoints ignore it)."""
     where = resolve(path)
-    tokenizer = None
     if where.is_dir():
         cfg = hf.read_config(where)
         if compressed.is_compressed(where):  # written by kiln compress
             tensors = compressed.read_compressed_tensors(where, cfg)
         else:
             tensors = hf.read_tensors(where, cfg)
-        model = build_model(cfg, tensors, dtype, str(where))
-        if with_tokenizer and any((where / f).is_file() for f in _TOKENIZER_FILES):
-            tokenizer = _auto_tokenizer(where)
-    else:
-        reader = gguf_reader.open_reader(where)
-        cfg = gguf_reader.read_config(reader, where)
-        tensors = gguf_reader.read_tensors(reader, cfg, where, packed)
-        model = build_model(cfg, tensors, dtype, str(where))
-        if with_tokenizer and gguf_reader.has_tokenizer(reader):
-            tokenizer = _auto_tokenizer(where.parent, gguf_file=where.name)
-    return LoadedModel(model.to(device), cfg, tokenizer, str(where))
+        has_tokenizer = any((where / f).is_file() for f in _TOKENIZER_FILES)
+        folder: tuple[Path, dict[str, Any]] | None = (where, {}) if has_tokenizer else None
+        return Checkpoint(cfg, tensors, where, folder)
+    reader = gguf_reader.open_reader(where)
+    cfg = gguf_reader.read_config(reader, where)
+    tensors = gguf_reader.read_tensors(reader, cfg, where, packed)
+    gguf_source = (where.parent, {"gguf_file": where.name})
+    return Checkpoint(
+        cfg, tensors, where, gguf_source if gguf_reader.has_tokenizer(reader) else None
+    )
+
+
+def load_model(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    packed: bool = True,
+    device: torch.device | str = "cpu",
+    with_tokenizer: bool = True,
+    *,
+    layers: range | None = None,
+    shard: BlockShard | None = None,
+    on_block: BlockHook | None = None,
+) -> LoadedModel:
+    """Load a Hugging Face folder, a ``.gguf`` file or a catalog name ("smollm2").
+
+    ``dtype`` (float32 / bfloat16 / float16) is that of every float parameter; ``packed``
+    keeps a GGUF's Q4_0 / Q4_1 linear weights 4-bit (``Int4Linear``, which computes in
+    fp32) instead of dequantizing them; HF checkpoints ignore it. Each tensor goes to
+    ``device`` as soon as it is read.
+
+    A part of the model, streamed (``kiln.models.parts``): ``layers`` reads only those
+    blocks (plus the embedding when they start at 0, the final norm and head when they
+    end at the last block; the rest stays on the meta device, unread); ``shard`` reads
+    only a slice of each block linear; ``on_block(i, block)`` runs as soon as block ``i``
+    is filled, so a hook that quantizes, offloads or releases it keeps at most one float
+    block resident. Raises ``LoadError`` or ``ConfigError`` naming the file and what is
+    wrong.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype}")
+    checkpoint = open_checkpoint(path, packed)
+    # The tokenizer first: the memory its loading passes through is reused by the weights.
+    tokenizer = checkpoint.tokenizer() if with_tokenizer else None
+    model = checkpoint.load(dtype, device, layers=layers, shard=shard, on_block=on_block)
+    return LoadedModel(model, checkpoint.config, tokenizer, str(checkpoint.source))
 
 
 def resolve(path: str | Path) -> Path:
@@ -105,64 +167,3 @@ def _auto_tokenizer(folder: Path, **kwargs: Any) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(folder), **kwargs)
-
-
-def _check(
-    expected: Mapping[str, tuple[int, ...]], tensors: Mapping[str, LazyTensor], where: str
-) -> None:
-    """Every parameter present once, with its shape; nothing left over."""
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-        raise LoadError(f"{where}: missing tensor {missing[0]}{more}; kiln's model needs it")
-    for name, lazy in tensors.items():
-        if name not in expected:
-            raise LoadError(f"{where}: unexpected tensor {lazy.origin} (kiln name {name}); "
-                            "the config describes no such parameter")  # fmt: skip
-        if tuple(lazy.shape) != expected[name]:
-            raise LoadError(f"{where}: tensor {lazy.origin} has shape {tuple(lazy.shape)}, "
-                            f"but {name} must be {expected[name]}")  # fmt: skip
-
-
-def build_model(
-    cfg: ModelConfig, tensors: Mapping[str, LazyTensor], dtype: torch.dtype, where: str
-) -> Transformer:
-    """A ``Transformer(cfg)`` holding ``tensors`` (kiln names), checked before reading."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
-    tensors = dict(tensors)
-    if cfg.tie_embeddings:  # some tied checkpoints repeat the head; it is the embedding
-        head = tensors.pop("lm_head.weight", None)
-        if "embed.weight" not in tensors and head is not None:
-            tensors["embed.weight"] = head  # safetensors kept the shared tensor's other name
-    _check(expected, tensors, where)
-    # Weights before biases: a bias may belong to a layer just replaced by a packed one.
-    for name in sorted(tensors, key=lambda n: n.endswith(".bias")):
-        lazy = tensors[name]
-        owner, leaf = name.rsplit(".", 1)
-        module = model.get_submodule(owner)
-        value = lazy.read()
-        if isinstance(value, CompressedLinear):
-            parent, _, attr = owner.rpartition(".")  # "" for the top-level lm_head
-            setattr(model.get_submodule(parent), attr, value)
-            continue
-        if tuple(value.shape) != expected[name]:
-            raise LoadError(f"{where}: tensor {lazy.origin} read as {tuple(value.shape)}, "
-                            f"but {name} must be {expected[name]}")  # fmt: skip
-        if isinstance(module, CompressedLinear):  # the bias of a packed layer: fp32 buffer
-            module.bias = value.float().contiguous()
-            continue
-        weight = value.to(dtype=dtype, memory_format=torch.contiguous_format)
-        setattr(module, leaf, nn.Parameter(weight, requires_grad=False))
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.embed.weight
-    _no_meta_left(model, where)
-    return model.eval()
-
-
-def _no_meta_left(model: nn.Module, where: str) -> None:
-    left: list[tuple[str, Tensor]] = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in left:
-        if t.is_meta:
-            raise LoadError(f"{where}: {name} was not filled (a loader bug, please report)")

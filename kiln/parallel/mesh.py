@@ -2,33 +2,85 @@
 
 Layout: ``world = tp * pp``; global rank r is tensor-parallel rank ``r % tp`` of pipeline
 stage ``r // tp``, so a stage's tensor-parallel group is consecutive ranks (one machine
-under torchrun) and pipeline j is ranks j, j + tp, j + 2 tp, ... Each rank builds the full
-model with ``model_factory`` (e.g. a loader call), trims it to its stage, shards the stage
-across its tensor-parallel group, and runs the one generation loop
-(``kiln.llm.generate.generate``) over a ``PipelineDecoder``, greedy or sampled::
+under torchrun) and pipeline j is ranks j, j + tp, j + 2 tp, ... Each rank keeps its
+stage's layers, sharded across its tensor-parallel group, and runs the one generation
+loop (``kiln.llm.generate.generate``) over a ``PipelineDecoder``, greedy or sampled.
 
-    gen = run_parallel(partial(load, path), prompt_ids, 32, tp=2, pp=2,
+Where a rank's part comes from:
+
+* a ``PartLoader`` (what ``kiln generate`` uses): the rank reads only its part of the
+  checkpoint — its stage's blocks, its rows / columns of each block linear (``RankPart``,
+  passed to ``kiln.models.load``) — so no rank ever holds the whole model;
+* a ``ModelFactory`` (a model in memory, e.g. tests' random models): each rank builds the
+  full model, trims it to its stage and shards it (``Stage``, ``shard_tensor_parallel``).
+
+::
+
+    # load(part_of): open the checkpoint, part = part_of(config), load_model(..., layers=
+    # part.layers, shard=part.shard, on_block=part.on_block); e.g. generate_job.load_rank_part
+    gen = run_parallel(PartLoader(partial(load, path)), prompt_ids, 32, tp=2, pp=2,
                        sampling=Sampling(temperature=0.8, seed=0))
     gen.tokens  # (B, 32) new tokens, as one process with the same seed samples them
+
+``run_parallel_job`` also reports each rank's weight bytes and peak resident memory.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from kiln.core.memory import peak_rss_bytes
 from kiln.llm.generate import Generation, Sampling, generate
-from kiln.models.transformer import Transformer
+from kiln.models.config import ModelConfig
+from kiln.models.parts import BlockHook, LinearSlice
+from kiln.models.transformer import Block, Transformer
 from kiln.parallel.launch import launch, progress
 from kiln.parallel.pp import PipelineDecoder, PipeRanks, Stage, even_split, split_stages
-from kiln.parallel.tp import shard_tensor_parallel
+from kiln.parallel.tp import ProcessGroup, block_slices, finish_block, shard_tensor_parallel
 
 ModelFactory = Callable[[], Transformer]
 GREEDY = Sampling()
+
+
+@dataclass(frozen=True)
+class RankPart:
+    """What one rank holds of a model with a given config: its pipeline stage's blocks
+    (``layers``; the first stage also the embedding, the last the final norm and head),
+    with tensor parallelism its slice of every block linear (``shard``) and the surgery
+    that makes a block loaded that way run sharded (``on_block``), and the ``device`` it
+    computes on. Handed to ``kiln.models.load.load_model`` / ``Checkpoint.load`` as they
+    are, nothing else of the checkpoint is read."""
+
+    layers: range
+    first: bool
+    last: bool
+    shard: dict[str, LinearSlice] | None  # None: whole blocks (tp = 1)
+    on_block: BlockHook | None
+    device: torch.device
+
+
+PartOf = Callable[[ModelConfig], RankPart]
+
+
+@dataclass(frozen=True)
+class PartLoader:
+    """A model source that reads only a rank's part: ``load(part_of)`` opens the checkpoint,
+    asks ``part_of(config)`` which ``RankPart`` this rank holds and loads just that
+    (``load_model(..., layers=, shard=, on_block=)``), returning a model whose other
+    blocks stay on the meta device. It travels to the ranks by pickle: ``load`` must be a
+    module-level function or a ``functools.partial`` of one."""
+
+    load: Callable[[PartOf], Transformer]
+
+
+ModelSource = ModelFactory | PartLoader
 
 
 @dataclass(frozen=True)
@@ -83,9 +135,39 @@ class Mesh:
                 pp_group = group
         return cls(tp, pp, rank, tp_group, pp_group)
 
+    def part(
+        self,
+        cfg: ModelConfig,
+        split: Sequence[int] | None = None,
+        device: torch.device | None = None,
+    ) -> RankPart:
+        """This rank's ``RankPart`` of a model with config ``cfg``; ``split``: layers per
+        stage (default: even); ``device``: where it computes (None: the CPU)."""
+        n = cfg.n_layers
+        ranges = split_stages(n, split if split is not None else even_split(n, self.pp))
+        if len(ranges) != self.pp:
+            raise ValueError(f"split {list(split or [])} has {len(ranges)} stages, pp is {self.pp}")
+        shard, hook = None, None
+        if self.tp > 1:
+            shard, hook = block_slices(cfg, self.tp_rank, self.tp), _Finish(self.tp_group)
+        return RankPart(
+            ranges[self.stage], self.stage == 0, self.stage == self.pp - 1, shard, hook,
+            device if device is not None else torch.device("cpu"),
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Finish:
+    """``tp.finish_block`` as a loader's per-block hook, for one tensor-parallel group."""
+
+    group: ProcessGroup | None
+
+    def __call__(self, index: int, block: Block) -> None:
+        finish_block(block, self.group)
+
 
 def rank_decoder(
-    model: Transformer,
+    model: Transformer | PartLoader,
     mesh: Mesh,
     batch: int,
     max_len: int,
@@ -93,18 +175,20 @@ def rank_decoder(
     microbatches: int = 1,
     device: torch.device | None = None,
 ) -> PipelineDecoder:
-    """This rank's part of ``model`` (the full model, consumed) as a ``Decoder``: its
-    stage's layers, its tensor-parallel shard, on ``device`` (None: where the model is).
-    ``split``: layers per stage (default: even)."""
-    n = model.cfg.n_layers
-    ranges = split_stages(n, split if split is not None else even_split(n, mesh.pp))
-    if len(ranges) != mesh.pp:
-        raise ValueError(f"split {list(split or [])} has {len(ranges)} stages, pp is {mesh.pp}")
-    first, last = mesh.stage == 0, mesh.stage == mesh.pp - 1
+    """This rank's part of ``model`` as a ``Decoder``: its stage's layers, its
+    tensor-parallel shard, on ``device`` (None: where the model is). ``model``: the full
+    model (consumed: trimmed and sharded here), or a ``PartLoader`` that reads only this
+    rank's part. ``split``: layers per stage (default: even)."""
     with torch.no_grad():
-        stage = Stage(model, ranges[mesh.stage], first, last)
-        if mesh.tp > 1:
-            shard_tensor_parallel(stage.model, mesh.tp_rank, mesh.tp, mesh.tp_group)
+        if isinstance(model, PartLoader):
+            loaded = model.load(partial(mesh.part, split=split, device=device))
+            part = mesh.part(loaded.cfg, split, device)
+            stage = Stage(loaded, part.layers, part.first, part.last)  # already sharded
+        else:
+            part = mesh.part(model.cfg, split, device)
+            stage = Stage(model, part.layers, part.first, part.last)
+            if mesh.tp > 1:
+                shard_tensor_parallel(stage.model, mesh.tp_rank, mesh.tp, mesh.tp_group)
         if device is not None:
             stage.to(device)  # only this rank's shard travels
         progress()
@@ -112,7 +196,7 @@ def rank_decoder(
 
 
 def rank_generate(
-    model: Transformer,
+    model: Transformer | PartLoader,
     prompt: Tensor,
     max_new_tokens: int,
     mesh: Mesh,
@@ -125,9 +209,50 @@ def rank_generate(
 ) -> Generation:
     """This rank's part of generation (``rank_decoder``), decoded as ``sampling`` says.
     Every rank returns the same tokens."""
+    return _rank_run(
+        model, prompt, max_new_tokens, mesh, split, microbatches, device, sampling, stop_ids,
+        keep_logits, time.perf_counter(),
+    )[0]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankReport:
+    """What one rank of a job held: its place, how long it took to load its part, the
+    bytes of weights its decode step reads (``Stage.weight_bytes``) and its peak resident
+    memory (``VmHWM``, loading included; None without Linux /proc)."""
+
+    rank: int
+    stage: int
+    tp_rank: int
+    load_s: float
+    weight_bytes: int
+    peak_rss_bytes: int | None
+
+
+@dataclass(frozen=True)
+class ParallelRun:
+    """A parallel generation: the last stage's first rank's ``Generation`` (every rank has
+    the same tokens; timings are that rank's) and every rank's report, in rank order."""
+
+    generation: Generation
+    ranks: list[RankReport]
+
+
+def _rank_run(
+    model: Transformer | PartLoader, prompt: Tensor, max_new_tokens: int, mesh: Mesh,
+    split: Sequence[int] | None, microbatches: int, device: torch.device | None,
+    sampling: Sampling, stop_ids: tuple[int, ...], keep_logits: bool, started: float,
+) -> tuple[Generation, RankReport]:  # fmt: skip
+    """Generation and this rank's report; ``started``: when its loading began."""
     batch, max_len = prompt.shape[0], prompt.shape[1] + max_new_tokens
     decoder = rank_decoder(model, mesh, batch, max_len, split, microbatches, device)
-    return generate(decoder, prompt, max_new_tokens, sampling, stop_ids, keep_logits=keep_logits)
+    load_s = time.perf_counter() - started
+    gen = generate(decoder, prompt, max_new_tokens, sampling, stop_ids, keep_logits=keep_logits)
+    report = RankReport(
+        mesh.rank, mesh.stage, mesh.tp_rank, load_s, decoder.stage.weight_bytes(),
+        peak_rss_bytes(),
+    )  # fmt: skip
+    return gen, report
 
 
 def as_batch(prompt_ids: Tensor | Sequence[int]) -> Tensor:
@@ -141,24 +266,51 @@ def as_batch(prompt_ids: Tensor | Sequence[int]) -> Tensor:
 
 
 def _rank_main(
-    rank: int, world: int, model_factory: ModelFactory, prompt: Tensor, max_new_tokens: int,
+    rank: int, world: int, source: ModelSource, prompt: Tensor, max_new_tokens: int,
     tp: int, pp: int, split: Sequence[int] | None, microbatches: int, sampling: Sampling,
     stop_ids: tuple[int, ...], keep_logits: bool,
-) -> Generation:  # fmt: skip
+) -> tuple[Generation, RankReport]:  # fmt: skip
     mesh = Mesh.create(tp, pp)
-    model = model_factory()
+    started = time.perf_counter()
+    model = source if isinstance(source, PartLoader) else source()
     progress()
     # NCCL moves CUDA tensors only: each rank runs on the GPU launch() bound it to.
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else None
-    return rank_generate(
+    return _rank_run(
         model, prompt, max_new_tokens, mesh, split, microbatches, device, sampling, stop_ids,
-        keep_logits,
+        keep_logits, started,
     )  # fmt: skip
 
 
+def run_parallel_job(
+    source: ModelSource,
+    prompt_ids: Tensor | Sequence[int],
+    max_new_tokens: int,
+    tp: int = 1,
+    pp: int = 1,
+    split: Sequence[int] | None = None,
+    microbatches: int = 1,
+    timeout_s: float = 60.0,
+    backend: str = "gloo",
+    sampling: Sampling = GREEDY,
+    stop_ids: tuple[int, ...] = (),
+    keep_logits: bool = False,
+) -> ParallelRun:
+    """Generation on ``tp * pp`` ranks started by ``launch`` (``backend="nccl"``: one GPU
+    per rank), greedy or sampled as ``sampling`` says, each rank's part from ``source``
+    (a ``PartLoader`` reading only it, or a factory of the full model): the generation and
+    every rank's report. ``timeout_s``: longest stretch without progress (loading, or one
+    decode step)."""
+    prompt = as_batch(prompt_ids)
+    args = (source, prompt, max_new_tokens, tp, pp, split, microbatches, sampling,
+            tuple(stop_ids), keep_logits)  # fmt: skip
+    results = launch(_rank_main, tp * pp, args, timeout_s=timeout_s, backend=backend)
+    return ParallelRun(results[(pp - 1) * tp][0], [report for _, report in results])
+
+
 def run_parallel(
-    model_factory: ModelFactory,
+    source: ModelSource,
     prompt_ids: Tensor | Sequence[int],
     max_new_tokens: int,
     tp: int = 1,
@@ -171,13 +323,9 @@ def run_parallel(
     stop_ids: tuple[int, ...] = (),
     keep_logits: bool = False,
 ) -> Generation:
-    """Generation on ``tp * pp`` ranks started by ``launch`` (``backend="nccl"``: one GPU
-    per rank), greedy or sampled as ``sampling`` says: the ``Generation`` of the last
-    stage's first rank (every rank has the same tokens; timings are that rank's).
-    ``timeout_s``: longest stretch without progress (loading, or one decode step)."""
-    prompt = as_batch(prompt_ids)
-    args = (model_factory, prompt, max_new_tokens, tp, pp, split, microbatches, sampling,
-            tuple(stop_ids), keep_logits)  # fmt: skip
-    results = launch(_rank_main, tp * pp, args, timeout_s=timeout_s, backend=backend)
-    out: Generation = results[(pp - 1) * tp]
-    return out
+    """``run_parallel_job``'s generation: that of the last stage's first rank (every rank
+    has the same tokens; timings are that rank's)."""
+    return run_parallel_job(
+        source, prompt_ids, max_new_tokens, tp, pp, split, microbatches, timeout_s, backend,
+        sampling, stop_ids, keep_logits,
+    ).generation  # fmt: skip

@@ -61,16 +61,28 @@ def even_split(n_layers: int, stages: int) -> list[int]:
 
 def _release(module: nn.Module) -> None:
     """Replace every tensor of ``module`` by an empty one: a stage that never runs it
-    stops holding its memory (a tied head keeps the embedding it shares alive)."""
+    stops holding its memory (a tied head keeps the embedding it shares alive). A tensor
+    a partial load never read (meta) becomes an empty CPU one, so the stage can move."""
     for sub in module.modules():
         for name, p in list(sub.named_parameters(recurse=False)):
-            setattr(sub, name, nn.Parameter(p.new_empty(0), requires_grad=False))
+            setattr(sub, name, nn.Parameter(_empty(p), requires_grad=False))
         for name, b in list(sub.named_buffers(recurse=False)):
-            setattr(sub, name, b.new_empty(0))
+            setattr(sub, name, _empty(b))
+
+
+def _empty(t: Tensor) -> Tensor:
+    return torch.empty(0, dtype=t.dtype, device="cpu" if t.is_meta else t.device)
+
+
+def _tensor_bytes(module: nn.Module) -> int:
+    tensors = {id(t): t for t in (*module.parameters(), *module.buffers())}  # shared: once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class Stage(nn.Module):
-    """One pipeline stage: ``layers`` of ``model`` (taken over, trimmed in place)."""
+    """One pipeline stage: ``layers`` of ``model`` (taken over, trimmed in place). ``model``
+    may be a partial load holding only those layers (the others, and the embedding or head
+    a stage does not run, left on the meta device): they are dropped or emptied alike."""
 
     def __init__(self, model: Transformer, layers: range, first: bool, last: bool) -> None:
         super().__init__()
@@ -86,6 +98,15 @@ class Stage(nn.Module):
             _release(model.final_norm)
         self.model, self.layer_ids = model, layers
         self.first, self.last = first, last
+
+    def weight_bytes(self) -> int:
+        """Bytes of weights one decode step of this stage reads: its blocks, and on the
+        last stage the final norm and the head (a tied head is the whole embedding table;
+        the first stage's embedding lookup reads one row a token)."""
+        out = sum(_tensor_bytes(block) for block in self.model.layers)
+        if self.last:
+            out += _tensor_bytes(self.model.final_norm) + _tensor_bytes(self.model.lm_head)
+        return out
 
     def placement(self) -> tuple[torch.dtype, torch.device]:
         """dtype and device of this stage's activations (those of its first parameter:

@@ -16,6 +16,10 @@ Slicing goes through one interface: anything with ``slice_rows(start, stop)`` an
 ``slice_cols(start, stop)`` (kiln's compressed layers provide both, each in its own format);
 a dense ``nn.Linear`` gets them from ``DenseSlicer``. Nothing here looks at compressed
 types. Each rank's KV cache holds only its own kv heads (``local_kv_heads``).
+
+Two ways to a rank's shard: ``shard_tensor_parallel`` cuts a model already in memory;
+a streaming load (``kiln.models.load``) reads only the rows / columns ``block_slices``
+names and ``finish_block`` (its per-block hook) wraps the row-parallel layers.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from kiln.models.config import ModelConfig
+from kiln.models.parts import LinearSlice
 from kiln.models.transformer import Block, Transformer
 
 ProcessGroup = dist.ProcessGroup
@@ -109,11 +115,17 @@ class RowParallel(nn.Module):
         return y
 
 
-def row_parallel(
-    layer: nn.Module, start: int, stop: int, group: ProcessGroup | None
-) -> RowParallel:
-    """``layer`` restricted to inputs [start, stop), its bias moved after the all-reduce."""
-    part = sliceable(layer).slice_cols(start, stop)
+def slice_linear(layer: nn.Module, part: LinearSlice) -> nn.Module:
+    """``layer`` cut to ``part``: its output rows, or its input columns (bias kept whole)."""
+    s = sliceable(layer)
+    if part.axis == "rows":
+        return s.slice_rows(part.start, part.stop)
+    return s.slice_cols(part.start, part.stop)
+
+
+def _row_parallel_of(part: nn.Module, group: ProcessGroup | None) -> RowParallel:
+    """A layer already cut to this rank's input columns, as ``RowParallel``: its bias is
+    taken out and added once, after the all-reduce."""
     bias = getattr(part, "bias", None)
     if bias is not None:
         bias = bias.detach().clone()
@@ -174,6 +186,38 @@ def partition_features(size: int, world: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def block_slices(cfg: ModelConfig, rank: int, world: int) -> dict[str, LinearSlice]:
+    """This rank's slice of every sharded linear of a block (name in the block -> rows or
+    columns): q, k, v, gate and up by output rows, o and down by input columns. The same
+    for every block; a streaming loader reads exactly these (``kiln.models.parts``)."""
+    if not 0 <= rank < world:
+        raise ValueError(f"rank {rank} is outside a tensor-parallel group of {world}")
+    d = cfg.head_dim
+    heads = partition_heads(cfg.n_heads, cfg.n_kv_heads, world)[rank]
+    f0, f1 = partition_features(cfg.intermediate_size, world)[rank]
+    q0, q1 = heads.q_start * d, heads.q_stop * d  # this rank's query features
+    kv0, kv1 = heads.kv_start * d, heads.kv_stop * d
+    out = {
+        "attn.q": LinearSlice("rows", q0, q1), "attn.k": LinearSlice("rows", kv0, kv1),
+        "attn.v": LinearSlice("rows", kv0, kv1), "attn.o": LinearSlice("cols", q0, q1),
+        "mlp.up": LinearSlice("rows", f0, f1), "mlp.down": LinearSlice("cols", f0, f1),
+    }  # fmt: skip
+    if cfg.gated_mlp:
+        out["mlp.gate"] = LinearSlice("rows", f0, f1)
+    return out
+
+
+def finish_block(block: Block, group: ProcessGroup | None) -> None:
+    """Make a block whose linears already hold this rank's slices (``block_slices``) run
+    tensor-parallel, in place: o and down become ``RowParallel`` (one all-reduce each, the
+    bias added after it), and attention counts the heads its q and k slices hold."""
+    attn, mlp = block.attn, block.mlp
+    attn.add_module("o", _row_parallel_of(attn.o, group))
+    mlp.add_module("down", _row_parallel_of(mlp.down, group))
+    attn.n_heads = int(attn.q.out_features) // attn.head_dim
+    attn.n_kv_heads = int(attn.k.out_features) // attn.head_dim
+
+
 def shard_tensor_parallel(
     model: Transformer, rank: int, world: int, group: ProcessGroup | None = None
 ) -> Transformer:
@@ -181,30 +225,19 @@ def shard_tensor_parallel(
 
     ``rank``/``world``: this rank's index and size within ``group`` (None: the default
     group). Every rank of the group must call this on identical models. Works on a model
-    whose ``layers`` were already trimmed to a pipeline stage.
+    whose ``layers`` were already trimmed to a pipeline stage. (A streaming load reads the
+    shards directly: ``block_slices`` + ``finish_block``.)
     """
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is outside a tensor-parallel group of {world}")
-    cfg, d = model.cfg, model.cfg.head_dim
-    heads = partition_heads(cfg.n_heads, cfg.n_kv_heads, world)[rank]
-    f0, f1 = partition_features(cfg.intermediate_size, world)[rank]
+    slices = block_slices(model.cfg, rank, world)
     with torch.no_grad():
         for module in model.layers:
             block = cast(Block, module)
-            attn, mlp = block.attn, block.mlp
-            q0, q1 = heads.q_start * d, heads.q_stop * d  # this rank's query features
-            kv0, kv1 = heads.kv_start * d, heads.kv_stop * d
-            # add_module replaces the declared nn.Linear attributes by shards of any kind
-            attn.add_module("q", sliceable(attn.q).slice_rows(q0, q1))
-            attn.add_module("k", sliceable(attn.k).slice_rows(kv0, kv1))
-            attn.add_module("v", sliceable(attn.v).slice_rows(kv0, kv1))
-            attn.add_module("o", row_parallel(attn.o, q0, q1, group))
-            attn.n_heads = heads.q_stop - heads.q_start
-            attn.n_kv_heads = heads.kv_stop - heads.kv_start
-            if mlp.gate is not None:
-                mlp.add_module("gate", sliceable(mlp.gate).slice_rows(f0, f1))
-            mlp.add_module("up", sliceable(mlp.up).slice_rows(f0, f1))
-            mlp.add_module("down", row_parallel(mlp.down, f0, f1, group))
+            for name, part in slices.items():
+                owner, _, attr = name.rpartition(".")
+                parent = block.get_submodule(owner)
+                # add_module replaces the declared nn.Linear attributes by shards of any kind
+                parent.add_module(attr, slice_linear(getattr(parent, attr), part))
+            finish_block(block, group)
     return model
 
 

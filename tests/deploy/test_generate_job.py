@@ -141,3 +141,76 @@ def test_cli_prints_the_torchrun_line_for_several_machines(checkpoint: Path) -> 
     assert res.exit_code == 0, res.output
     assert "--nnodes=2" in res.output and "--nproc-per-node=2" in res.output
     assert "--rdzv-endpoint=10.0.0.1:29500" in res.output and "kiln.cli" in res.output
+
+
+def _plan_file(checkpoint: Path, folder: Path, fmt: str, tp: int, pp: int, offload: str) -> Path:
+    """A plan document for one layout of the fixture model, as ``kiln plan --out`` writes."""
+    import json
+
+    from kiln.deploy.architecture import read_architecture
+    from kiln.deploy.estimate import FORMATS, Layout
+    from kiln.deploy.hardware import Device, parse_hardware
+    from kiln.deploy.plan_schema import plan_to_dict
+    from kiln.deploy.planner import Plan, Request, evaluate
+
+    arch = read_architecture(str(checkpoint))
+    cpu = Device("cpu", "cpu", 16 * 2**30, 40.0, {"fp32": 0.2}, "shared-memory", 0.0)
+    hw = parse_hardware(f"{tp * pp}xcpu" if tp * pp > 1 else "cpu", cpu=cpu)
+    req = Request(batch=1, prompt_len=16, gen_len=NEW)
+    lay = Layout(FORMATS[fmt], tp * pp, tp, pp, 1, 16, NEW, offload, 4)
+    doc = plan_to_dict(Plan(arch, req, evaluate(arch, hw, lay, req)), str(checkpoint))
+    path = folder / f"plan-{fmt}-{tp}x{pp}-{offload}.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize(("tp", "pp", "offload"), [(1, 1, "none"), (2, 1, "none"),
+                                                   (1, 2, "none"), (1, 1, "disk")])  # fmt: skip
+def test_kiln_run_executes_a_plan_file(
+    checkpoint: Path, reference: list[int], tmp_path: Path, tp: int, pp: int, offload: str
+) -> None:
+    """An fp32 plan is the checkpoint's own weights: every layout gives transformers' text."""
+    from kiln.deploy.plan_job import request_from_plan
+    from kiln.deploy.plan_schema import load_plan
+
+    path = _plan_file(checkpoint, tmp_path, "fp32", tp, pp, offload)
+    req = request_from_plan(load_plan(str(path)), PROMPT, NEW, str(tmp_path / "store"))
+    assert (req.tp, req.pp, req.weights, req.offload is not None) == (
+        tp,
+        pp,
+        "fp32",
+        offload == "disk",
+    )
+    assert generate_text(req).generation.tokens[0].tolist() == reference
+    res = CliRunner().invoke(app, ["run", str(path), "--prompt", PROMPT, "-n", "4"],
+                             env={**os.environ, "COLUMNS": "200"})  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert f"tp {tp}, pp {pp}, weights fp32" in res.output and "tokens/s" in res.output
+
+
+def test_a_compressed_plan_runs_the_same_text_on_ranks_as_in_one_process(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    from kiln.deploy.plan_job import request_from_plan
+    from kiln.deploy.plan_schema import load_plan
+
+    texts = []
+    for tp in (1, 2):
+        doc = load_plan(str(_plan_file(checkpoint, tmp_path, "int8", tp, 1, "none")))
+        req = request_from_plan(doc, PROMPT, NEW)
+        texts.append(generate_text(req).generation.tokens[0].tolist())
+    assert texts[0] == texts[1]
+
+
+def test_plans_this_machine_cannot_run_are_refused(checkpoint: Path, tmp_path: Path) -> None:
+    import json
+
+    from kiln.deploy.plan_job import request_from_plan
+
+    doc = json.loads(_plan_file(checkpoint, tmp_path, "fp32", 1, 1, "disk").read_text())
+    with pytest.raises(ValueError, match="folder for the store"):
+        request_from_plan(doc, PROMPT, NEW)
+    if not torch.cuda.is_available():
+        doc["layout"]["device_type"] = "H100"
+        with pytest.raises(ValueError, match="no GPU"):
+            request_from_plan(doc, PROMPT, NEW, str(tmp_path))

@@ -13,7 +13,10 @@ import torch
 import torch.distributed as dist
 
 from kiln.llm.generate import Generation, Sampling
+from kiln.models.load import open_checkpoint
+from kiln.models.transformer import Transformer
 from kiln.parallel import Mesh, progress, rank_generate
+from kiln.parallel.mesh import PartOf
 from tests.parallel.models import factory
 
 
@@ -90,3 +93,11 @@ def run_scenarios(rank: int, world: int, scenarios: list[Scenario]) -> dict[str,
             keep_logits=True,
         )  # fmt: skip
     return out
+
+
+def load_part(folder: str, part_of: PartOf) -> Transformer:
+    """A rank's part of the checkpoint in ``folder`` (a ``PartLoader``'s ``load``): only
+    its stage's blocks and its tensor-parallel slices are read."""
+    checkpoint = open_checkpoint(folder)
+    part = part_of(checkpoint.config)
+    return checkpoint.load(layers=part.layers, shard=part.shard, on_block=part.on_block)
