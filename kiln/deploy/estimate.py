@@ -169,7 +169,7 @@ def estimate(
     if kind == "cpu":  # the ranks are processes of this host: their peaks add up
         per_stage_kv = [kv * layout.act_bytes for kv in _stage_sums(kv_per_layer, stages)]
         peak_device = _cpu_peak_bytes(
-            arch, layout, stages, stage_w, per_stage_kv, act + workspace, layer_w, total_w,
+            arch, layout, stages, stage_w, per_stage_kv, act + workspace, layer_w, embed_w,
             known.checkpoint_bytes,
         )  # fmt: skip
     peak_host = _host_bytes(hw, layout, offloaded, device_w)
@@ -235,11 +235,13 @@ def _activation_bytes(arch: Architecture, layout: Layout, tp: int) -> float:
     return hidden + qkv + scores + mlp + logits
 
 
-def _cpu_load_peak(arch: Architecture, stored: int, checkpoint_bytes: int) -> float:
-    """kiln's loader builds the model with float32 weights (a packed checkpoint is
-    dequantized), then converts them into the stored format (or, for the fast step, copies
-    them into huge pages): both copies are resident at once, with the mapped checkpoint."""
-    return arch.total_params * 4 + stored + checkpoint_bytes
+def _load_transient(arch: Architecture, embed_w: float) -> float:
+    """What kiln's streaming load holds beyond the weights it keeps: one block read in
+    fp32 (a plan quantizes it as soon as it is filled, so briefly both), and the largest
+    single tensor once more (the fast step moves weights into huge pages one tensor at a
+    time; a compressed plan's INT8 head is made from the float embedding)."""
+    block = arch.params_per_layer * 4 * 2
+    return block + max(embed_w, _largest_linear(arch) * 4)
 
 
 def _cpu_peak_bytes(
@@ -250,19 +252,31 @@ def _cpu_peak_bytes(
     stage_kv: Sequence[float],
     scratch: float,
     layer_w: float,
-    total_w: int,
+    embed_w: float,
     checkpoint_bytes: int,
 ) -> int:
-    """The host's peak on a CPU: every rank process at the larger of its load-time and its
-    running peak (runtime, resident weights, KV cache, activations and scratch), plus the
-    launcher process when there are several ranks. A plan that streams its blocks from disk
-    keeps none of them resident."""
+    """The host's peak on a CPU: every rank process at its runtime reserve plus the larger
+    of its load-time and running peaks, plus the launcher when there are several ranks.
+
+    Running: resident weights, KV cache (this rank's heads), activations, scratch. Loading
+    (kiln streams blocks, ``kiln.models.fill``): the weights the rank keeps plus one block in
+    flight; a float plan loaded whole by one process may keep the checkpoint's pages
+    mapped (views, or pages read to convert), so the checkpoint counts too; a quantized,
+    sharded or offloaded load reads into its own memory, and pages of the file do not stay.
+    A plan that streams its blocks from disk keeps none of them resident."""
     reserve = RUNTIME_RESERVE["cpu"]
-    load = _cpu_load_peak(arch, total_w, checkpoint_bytes)
-    total = reserve if layout.tp * layout.pp > 1 else 0.0
+    ranks = layout.tp * layout.pp
+    mapped = (
+        checkpoint_bytes if ranks == 1 and not layout.fmt.packed and layout.offload == "none" else 0
+    )
+    transient = _load_transient(arch, embed_w)
+    total = reserve if ranks > 1 else 0.0
     for layers, weights, kv in zip(stages, stage_w, stage_kv, strict=True):
-        resident = weights - (layers * layer_w / layout.tp if layout.offload != "none" else 0)
-        run = (resident + kv + scratch) * (1 + FRAGMENTATION)  # kv: this rank's heads
+        streamed = layout.offload != "none"
+        resident = weights - (layers * layer_w / layout.tp if streamed else 0)
+        in_flight = 2 * layer_w / layout.tp if streamed else 0  # the block run, the one fetched
+        run = (resident + in_flight + kv + scratch) * (1 + FRAGMENTATION)
+        load = resident + transient + mapped
         total += layout.tp * (reserve + max(run, load))
     return int(total)
 

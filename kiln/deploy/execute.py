@@ -1,8 +1,8 @@
 """Execute a plan on this CPU and measure it: the check behind ``kiln plan --verify``.
 
-``run_layout`` loads the checkpoint, stores its block weights in the plan's format (kiln's
-INT8 / INT4 kernels, bf16, or fp32), streams them from disk when the plan offloads, and
-decodes a batch of prompts of the plan's length with kiln's one generation loop (the fast
+``run_layout`` loads the checkpoint as ``kiln run`` loads a plan — block by block, each
+block stored in the plan's format as it is read (kiln's INT8 / INT4 kernels, bf16, or
+fp32) and, when the plan offloads, written to a disk store and streamed back — and decodes a batch of prompts of the plan's length with kiln's one generation loop (the fast
 C++ step where it runs, else eager), greedy. ``measure`` runs that in a fresh process
 (``python -m kiln.deploy.execute``) so its peak resident memory is the plan's alone.
 
@@ -20,13 +20,10 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
-from pathlib import Path
+from functools import partial
 from typing import Any
 
 import torch
-
-from kiln.deploy.weights import FORMAT_DTYPES, store_in_format
-from kiln.models.transformer import Transformer
 
 
 @dataclass(frozen=True)
@@ -70,32 +67,38 @@ def _vocab_size(model: str) -> int:
     return read_architecture(model).vocab_size
 
 
-def _load_in_format(model: str, fmt: str) -> Transformer:
-    from kiln.models.load import load_model
+def _request(model: str, fmt: str) -> Any:
+    """The ``kiln run`` request of a plan in format ``fmt`` (the loads below are its own)."""
+    from kiln.deploy.generate_job import GenerateRequest
 
-    loaded = load_model(model, FORMAT_DTYPES.get(fmt, torch.float32), packed=False,
-                        with_tokenizer=False)  # fmt: skip
-    return store_in_format(loaded.model, fmt)
+    return GenerateRequest(checkpoint=model, prompt="", weights=fmt, packed=False)
 
 
 def _run_here(
     model: str, layout: dict[str, Any], fmt: str, prompt: torch.Tensor, gen_len: int
 ) -> dict[str, Any]:
-    from kiln.deploy.generate_job import GenerateRequest, choose_decoder
+    """One process, loaded as ``kiln run`` loads a plan: block by block, each block stored
+    in the plan's format as it is read (and, offloaded, written to the store and released)."""
+    from kiln.deploy.generate_job import choose_decoder, load_options, prepare
+    from kiln.llm.generate import EagerDecoder
+    from kiln.llm.offload import load_offloaded
+    from kiln.models.load import load_model
 
-    loaded = _load_in_format(model, fmt)
+    request = _request(model, fmt)
+    dtype, in_format = load_options(request)
     batch, max_len = prompt.shape[0], prompt.shape[1] + gen_len
-    request = GenerateRequest(checkpoint=model, prompt="", head="auto")
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as store:
         if layout["offload"] != "none":
-            from kiln.llm.generate import EagerDecoder
-            from kiln.llm.offload import offload_
-
-            offload_(loaded, Path(store), tier="disk")
-            decoder: Any = EagerDecoder(loaded, batch, max_len)
+            loaded, _ = load_offloaded(model, store, dtype, packed=False, with_tokenizer=False,
+                                       on_block=in_format)  # fmt: skip
+            prepare(loaded, request)
+            decoder: Any = EagerDecoder(loaded.model, batch, max_len)
             engine = "eager, blocks streamed from disk"
         else:
-            decoder, engine = choose_decoder(loaded, request, batch, max_len)
+            loaded = load_model(model, dtype, packed=False, with_tokenizer=False,
+                                on_block=in_format)  # fmt: skip
+            prepare(loaded, request)
+            decoder, engine = choose_decoder(loaded.model, request, batch, max_len)
         return {**_timed(decoder, prompt, gen_len), "engine": engine}
 
 
@@ -116,13 +119,14 @@ def _rank_run(
     rank: int, world: int, model: str, fmt: str, prompt: torch.Tensor, gen_len: int, tp: int,
     pp: int, split: tuple[int, ...] | None,
 ) -> dict[str, Any]:  # fmt: skip
-    """One rank of a parallel plan: its stage and shard of the model, timed as one process
-    is, and its own peak RSS."""
-    from kiln.parallel.mesh import Mesh, rank_decoder
+    """One rank of a parallel plan: only its stage and shard of the model read (as ``kiln
+    run`` reads it), timed as one process is, and its own peak RSS."""
+    from kiln.deploy.generate_job import load_rank_part
+    from kiln.parallel.mesh import Mesh, PartLoader, rank_decoder
 
     mesh = Mesh.create(tp, pp)
-    decoder = rank_decoder(_load_in_format(model, fmt), mesh, prompt.shape[0],
-                           prompt.shape[1] + gen_len, split)  # fmt: skip
+    source = PartLoader(partial(load_rank_part, _request(model, fmt)))
+    decoder = rank_decoder(source, mesh, prompt.shape[0], prompt.shape[1] + gen_len, split)
     return {**_timed(decoder, prompt, gen_len), "peak_rss_bytes": peak_rss_bytes()}
 
 
@@ -143,14 +147,14 @@ def measure(
 
 
 def peak_rss_bytes() -> int:
-    """This process's resident-memory high-water mark: ``VmHWM`` of /proc/self/status.
-    (Not getrusage's ru_maxrss, which on Linux carries over the parent's peak through
-    fork + exec, so a child started by a large process reports the parent's.)"""
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024  # kB
-    raise RuntimeError("no VmHWM in /proc/self/status: peak memory cannot be measured here")
+    """This process's resident-memory high-water mark (``kiln.core.memory``); a plan's
+    memory cannot be checked where the kernel does not report one."""
+    from kiln.core.memory import peak_rss_bytes as vm_hwm
+
+    got = vm_hwm()
+    if got is None:
+        raise RuntimeError("no VmHWM in /proc/self/status: peak memory cannot be measured here")
+    return got
 
 
 def main() -> int:
