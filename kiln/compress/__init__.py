@@ -7,7 +7,8 @@ Verbs (in place, over a model's linear layers)::
 
 Accuracy-controlled plan: ``workflow.compress_to_budget(task, 0.01)`` calibrates, predicts
 every (layer, option)'s loss increase, allocates with an exact grouped knapsack, measures
-the result on held-out text and tightens until it is within budget.
+the result on the search text and tightens until it is within budget with a confidence
+margin, then confirms the plan on a text the search never saw (its reported accuracy).
 Checkpoints: ``save_compressed`` / ``load_compressed`` (safetensors + a JSON manifest).
 """
 

@@ -2,12 +2,16 @@
 
 1. ``allocate`` (grouped knapsack, exact) picks the cheapest per-layer choice whose
    *predicted* loss increase fits the budget.
-2. The chosen model's *measured* loss increase (``measure(model)``, e.g. the log of the
-   perplexity ratio on held-out text) is checked against the budget.
+2. The chosen model's loss increase is *measured* on the search text (``measure(model)``,
+   e.g. the log of the perplexity ratio on *Pride and Prejudice*), with a confidence margin
+   from its spread across windows or sentences (``kiln.quality.spread``). The plan counts
+   as within budget only if increase + margin is.
 3. Over budget: the prediction under-estimated; scale the predicted budget by
-   budget / measured (with a margin) and go to 1. Within budget: done.
+   budget / (increase + margin) (aiming a little lower) and go to 1. Within budget: done.
 
-The plan never reports a model as within budget that was not measured to be.
+The search never reports a plan as within budget that was not measured to be, margin
+included. It does not confirm the plan on unseen text: the caller does that
+(``workflow.compress_to_budget``) and records it as the result's ``confirmation``.
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from kiln.compress.allocate import FrontierPoint, Objective, Option, allocate, p
 from kiln.compress.rounds import RoundStore
 from kiln.compress.sensitivity import DENSE, SensitivityTable
 from kiln.compress.verbs import set_submodule
+from kiln.quality.spread import PairedDifference
 
-Measure = Callable[[nn.Module], float]
+# A measured loss increase: with its margin, or a bare float (a margin of 0).
+Measure = Callable[[nn.Module], PairedDifference | float]
 TIGHTEN_MARGIN = 0.9  # aim a little below what the last round's ratio says
 LOOSEN_BELOW = 0.8  # a plan measured within budget but under 80 % of it is loosened
 LOOSEN_FLOOR = 0.05  # measured increases below 5 % of the budget count as 5 % (noise)
@@ -36,21 +42,38 @@ CONVERGED = 1.1  # stop once the within/over predicted budgets are this close
 class PlanRound:
     predicted_budget: float
     predicted: float  # the allocation's summed predicted loss
-    measured: float
+    measured: float  # measured loss increase on the search text
+    margin: float  # z standard errors of ``measured`` (0 when the measure gives none)
     nbytes: int
     choice: dict[str, str]  # layer -> option name
+
+    @property
+    def upper(self) -> float:
+        """What the search compares with the budget: the increase plus its margin."""
+        return self.measured + self.margin
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """The chosen plan measured on the confirmation text, which its search never saw."""
+
+    text: str  # which text, e.g. "Sense and Sensibility (first 20,000 tokens)"
+    increase: float  # measured loss increase there: the plan's reported accuracy
+    margin: float  # z standard errors of ``increase``, for information only
+    within: bool  # increase <= the budget asked for (not the search's tightened one)
 
 
 @dataclass(frozen=True)
 class PlanResult:
-    budget: float
+    budget: float  # the loss budget this search worked to (increase + margin <= budget)
     rounds: tuple[PlanRound, ...]
-    met: bool
+    met: bool  # a plan was within ``budget`` on the search text, margin included
     chosen: int  # index of the chosen round: the smallest within budget, else the last
+    confirmation: Confirmation | None = None  # the chosen plan on the confirmation text
 
     @property
     def final(self) -> PlanRound:
-        """The chosen plan: measured within budget when ``met``."""
+        """The chosen plan: measured within budget (margin included) when ``met``."""
         return self.rounds[self.chosen]
 
 
@@ -110,6 +133,13 @@ def uniform_choice(table: SensitivityTable, option: str) -> dict[str, str]:
     }
 
 
+def split_measurement(value: PairedDifference | float) -> tuple[float, float]:
+    """A measure's result -> (increase, margin); a bare float has a margin of 0."""
+    if isinstance(value, PairedDifference):
+        return value.mean, value.margin
+    return float(value), 0.0
+
+
 def search(
     model: nn.Module,
     table: SensitivityTable,
@@ -121,22 +151,23 @@ def search(
     max_rounds: int = 5,
     on_round: Callable[[PlanRound], None] | None = None,
     store: RoundStore | None = None,
+    start: float | None = None,
 ) -> PlanResult:
-    """Find the cheapest plan whose measured loss increase is within ``budget``.
+    """Find the cheapest plan whose measured loss increase plus margin is within ``budget``.
 
-    Each round allocates at a *predicted* budget and measures the result. The next
-    predicted budget rescales by how far off the prediction was (budget / measured),
-    kept strictly between the largest predicted budget measured within the real one
-    and the smallest measured over it (bisecting geometrically when the rescaled
-    guess falls outside). A plan measured well under budget is loosened, not just
-    accepted: predictions can be pessimistic too. The smallest plan measured within
-    budget wins.
+    Each round allocates at a *predicted* budget (the first at ``start``, by default
+    ``budget``) and measures the result. The next predicted budget rescales by how far
+    off the prediction was (budget / (increase + margin)), kept strictly between the
+    largest predicted budget measured within the real one and the smallest measured over
+    it (bisecting geometrically when the rescaled guess falls outside). A plan measured
+    well under budget is loosened, not just accepted: predictions can be pessimistic too.
+    The smallest plan measured within budget wins.
 
     With a ``store``, each measured plan is kept on disk as soon as it is measured, and a
-    plan already in the store is not measured again (its kept loss is used).
+    plan already in the store is not measured again (its kept increase and margin are used).
     """
     grp = groups(table, latency)
-    predicted_budget = budget
+    predicted_budget = budget if start is None else start
     good, bad = 0.0, math.inf  # predicted budgets known to measure within / over
     rounds: list[PlanRound] = []
     best: int | None = None
@@ -146,32 +177,34 @@ def search(
         choice = choice_names(table, alloc.choice)
         if rounds and any(r.choice == choice for r in rounds):
             break  # the predicted budget moved but the plan did not: nothing new to learn
-        measured = store.measured(choice) if store is not None else None
+        kept = store.lookup(choice) if store is not None else None
         nbytes = plan_nbytes(table, choice)
-        if measured is None:
+        if kept is None:
             with applied(model, table, choice):
-                measured = measure(model)
+                measured, margin = split_measurement(measure(model))
             if store is not None:
-                store.append({"choice": choice, "measured": measured, "predicted": alloc.loss,
+                store.append({"choice": choice, "measured": measured, "margin": margin,
+                              "text": "search", "predicted": alloc.loss,
                               "predicted_budget": predicted_budget, "budget": budget,
                               "nbytes": nbytes, "status": alloc.status})  # fmt: skip
-        rnd = PlanRound(predicted_budget, alloc.loss, measured, nbytes, choice)
+        else:
+            measured, margin = kept
+        rnd = PlanRound(predicted_budget, alloc.loss, measured, margin, nbytes, choice)
         rounds.append(rnd)
         costs.append(alloc.cost)
         if on_round is not None:
             on_round(rnd)
-        within = measured <= budget
-        if within:
+        if rnd.upper <= budget:
             good = max(good, predicted_budget)
             if best is None or alloc.cost < costs[best]:
                 best = len(rounds) - 1
-            if measured >= LOOSEN_BELOW * budget:
+            if rnd.upper >= LOOSEN_BELOW * budget:
                 break  # close enough to the budget: more rounds would gain little
         else:
             bad = min(bad, predicted_budget)
             if alloc.loss <= 0.0:  # even the least-loss plan measures over budget
                 break
-        ratio = budget / max(measured, LOOSEN_FLOOR * budget)
+        ratio = budget / max(rnd.upper, LOOSEN_FLOOR * budget)
         guess = max(alloc.loss, 1e-12) * TIGHTEN_MARGIN * min(ratio, MAX_STEP)
         if not good < guess < bad:
             if good > 0 and bad < math.inf:

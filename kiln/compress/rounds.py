@@ -1,11 +1,15 @@
 """Measured plans kept on disk, so a long plan search that dies resumes where it was.
 
-Each plan the search measures (which option per layer, its measured and predicted loss,
-the round's predicted budget) is appended to a JSON file the moment it is measured,
-written atomically (a temporary file, then ``os.replace``). The file is named by a hash of
-everything the measurement depends on (``plan_key``): the model's weights, the task's
-settings and evaluation data, and the option set. A rerun with the same key reads it and
-does not measure again any plan (layer -> option assignment) already in it.
+Each plan the search measures (which option per layer, its measured loss increase and
+margin, its predicted loss, the round's predicted budget) is appended to a JSON file the
+moment it is measured, written atomically (a temporary file, then ``os.replace``); so is
+each chosen plan's measurement on the confirmation text (entries with ``"text":
+"confirmation"``). The file is named by a hash of everything a measurement depends on
+(``plan_key``): the model's weights, the task's settings (text sizes, perplexity window,
+the margin's ``z``, ...) and both texts' data, and the option set. A rerun with the same
+key reads it and does not measure again any plan (layer -> option assignment) already
+measured on that text; any change of text, sizes or margin gives another key, so stale
+measurements are never resumed.
 """
 
 from __future__ import annotations
@@ -58,10 +62,19 @@ def _settings(task: object) -> dict[str, Any]:
     return out
 
 
+# The task methods that return what it measures on: search and confirmation data.
+_DATA = (
+    "eval_ids", "confirm_ids", "sentences", "confirmation_sentences", "eval_inputs",
+    "confirm_inputs",
+)  # fmt: skip
+TEXTS = ("search", "confirmation")  # which text a kept measurement was taken on
+
+
 def _evaluation_data(task: object) -> str:
-    """A hash of the held-out data the task measures on (token ids, sentences, inputs)."""
+    """A hash of the data the task measures on (token ids, sentences, inputs), both the
+    search and the confirmation text."""
     h = hashlib.sha256()
-    for attr in ("eval_ids", "sentences", "eval_inputs"):
+    for attr in _DATA:
         get = getattr(task, attr, None)
         if callable(get):
             data = get()
@@ -75,10 +88,10 @@ def _evaluation_data(task: object) -> str:
 
 def plan_key(task: Any, table: SensitivityTable) -> str:
     """The hash naming a search's rounds file: what a plan's measured loss depends on."""
-    from kiln.quality.perplexity import perplexity  # its window settings are defaults
+    from kiln.quality.perplexity import window_losses  # the scoring's remaining defaults
 
     tok = getattr(task, "tokenizer", None)
-    defaults = perplexity.__defaults__ or ()
+    defaults = window_losses.__defaults__ or ()
     described = {
         "task": type(task).__name__,
         "settings": _settings(task),
@@ -115,12 +128,21 @@ class RoundStore:
                 self.entries = [e for e in data.get("rounds", []) if _valid(e)]
         self.resumed = len(self.entries)
 
-    def measured(self, choice: dict[str, str]) -> float | None:
-        """The measured loss of this exact layer -> option assignment, if kept."""
+    def lookup(self, choice: dict[str, str], text: str = "search") -> tuple[float, float] | None:
+        """(increase, margin) of this exact layer -> option assignment on ``text``
+        ("search" or "confirmation"), if kept. Entries without a text are search entries,
+        entries without a margin have none."""
+        if text not in TEXTS:
+            raise ValueError(f"text must be one of {TEXTS}, got {text!r}")
         for entry in self.entries:
-            if entry["choice"] == choice:
-                return float(entry["measured"])
+            if entry["choice"] == choice and entry.get("text", "search") == text:
+                return float(entry["measured"]), float(entry.get("margin", 0.0))
         return None
+
+    def measured(self, choice: dict[str, str]) -> float | None:
+        """The measured loss increase of this layer -> option assignment on the search text."""
+        kept = self.lookup(choice)
+        return None if kept is None else kept[0]
 
     def append(self, entry: dict[str, Any]) -> None:
         """Keep one more measured plan, rewriting the file atomically."""
@@ -144,4 +166,6 @@ def _valid(entry: object) -> bool:
         isinstance(entry, dict)
         and isinstance(entry.get("choice"), dict)
         and isinstance(entry.get("measured"), int | float)
+        and isinstance(entry.get("margin", 0.0), int | float)
+        and entry.get("text", "search") in TEXTS
     )

@@ -9,8 +9,14 @@ uncompressed length followed by zlib data, itself a serialized character vector 
 per hard-wrapped line of the novel). Each novel is written as one UTF-8 text file (its lines
 joined with ``"\\n"``) next to a ``manifest.json`` recording characters and sha256 per novel.
 
-Roles (kept apart so that nothing is tuned on evaluation text): *Emma* is the calibration
-text, *Pride and Prejudice* the evaluation text; the other four novels are left out of both.
+Roles (kept apart so that no reported accuracy is measured on text anything was tuned on):
+
+* *Emma* (``CALIBRATION_NOVEL``): calibration (activation statistics, gradients).
+* *Pride and Prejudice* (``SEARCH_NOVEL``): the text a compression plan is searched on
+  (its first tokens, or sentences for an encoder). ``EVALUATION_NOVEL`` is its older name.
+* *Sense and Sensibility* (``CONFIRMATION_NOVEL``): the chosen plan is confirmed there,
+  on text its search never saw; that figure is the plan's reported accuracy.
+* The other three novels are kept out of all tuning.
 
 Command line: ``python -m kiln.quality.corpus fetch [--dir DIR] [--deb FILE]``.
 """
@@ -50,7 +56,17 @@ _R_NAMES: dict[str, str] = {
 }
 NOVELS: tuple[str, ...] = tuple(_R_NAMES)
 CALIBRATION_NOVEL = "emma"
-EVALUATION_NOVEL = "pride_and_prejudice"
+SEARCH_NOVEL = "pride_and_prejudice"
+CONFIRMATION_NOVEL = "sense_and_sensibility"
+EVALUATION_NOVEL = SEARCH_NOVEL  # the search text's older name, kept for its callers
+TITLES: dict[str, str] = {
+    "emma": "Emma",
+    "mansfield_park": "Mansfield Park",
+    "northanger_abbey": "Northanger Abbey",
+    "persuasion": "Persuasion",
+    "pride_and_prejudice": "Pride and Prejudice",
+    "sense_and_sensibility": "Sense and Sensibility",
+}
 MANIFEST = "manifest.json"
 _RDATA_DIR = Path("usr/lib/R/site-library/janeaustenr/data")
 
@@ -220,16 +236,30 @@ def calibration_batches(
     return ids[starts[:, None] + offsets[None, :]]  # (n_samples, seq_len)
 
 
-def evaluation_tokens(tokenizer: Tokenizer, n_tokens: int) -> torch.Tensor:
-    """The first ``n_tokens`` tokens of *Pride and Prejudice* -> (n_tokens,) int64.
+def first_tokens(novel: str, tokenizer: Tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of ``novel`` -> (n_tokens,) int64.
 
     The whole novel is tokenized and then cut, so the last tokens are exactly those of the
     full text (tokenizing a character prefix could split the final word differently).
     """
-    ids = _token_ids(tokenizer, load_novel(EVALUATION_NOVEL))  # (N,)
+    ids = _token_ids(tokenizer, load_novel(novel))  # (N,)
     if not 1 <= n_tokens <= ids.numel():
-        raise ValueError(f"n_tokens must be in [1, {ids.numel()}], got {n_tokens}")
+        raise ValueError(f"n_tokens must be in [1, {ids.numel()}] for {novel}, got {n_tokens}")
     return ids[:n_tokens].clone()
+
+
+def search_tokens(tokenizer: Tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of *Pride and Prejudice*, the search text -> (n_tokens,)."""
+    return first_tokens(SEARCH_NOVEL, tokenizer, n_tokens)
+
+
+def confirmation_tokens(tokenizer: Tokenizer, n_tokens: int) -> torch.Tensor:
+    """The first ``n_tokens`` tokens of *Sense and Sensibility*, the confirmation text (a
+    different novel from the search text, so no token of one is in the other) -> (n_tokens,)."""
+    return first_tokens(CONFIRMATION_NOVEL, tokenizer, n_tokens)
+
+
+evaluation_tokens = search_tokens  # the older name, kept for its callers
 
 
 # Words ending in "." that do not end a sentence in these novels.
@@ -271,7 +301,8 @@ def sentences(novel: str, n: int, min_words: int = 8, seed: int = 0) -> list[str
 
     The novel's hard-wrapped lines are unwrapped into paragraphs and split at sentence ends;
     ``n`` of the sentences that are long enough are drawn without replacement (seeded).
-    Use *Emma* for calibration and *Pride and Prejudice* for evaluation.
+    Use *Emma* for calibration, *Pride and Prejudice* for a search and *Sense and
+    Sensibility* to confirm its result (``confirmation_sentences``).
     """
     pool = [
         s
@@ -283,6 +314,11 @@ def sentences(novel: str, n: int, min_words: int = 8, seed: int = 0) -> list[str
         raise ValueError(f"{novel} has {len(pool)} sentences of >= {min_words} words; asked {n}")
     picked = sorted(random.Random(seed).sample(range(len(pool)), n))
     return [pool[i] for i in picked]
+
+
+def confirmation_sentences(n: int, min_words: int = 8, seed: int = 0) -> list[str]:
+    """``n`` sentences of *Sense and Sensibility*, the confirmation text (see ``sentences``)."""
+    return sentences(CONFIRMATION_NOVEL, n, min_words, seed)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -73,9 +73,14 @@ def embed(
     return torch.cat(chunks)  # (n, D)
 
 
-def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Mean cosine similarity of matching rows of ``a`` and ``b`` (both (n, D))."""
+def cosines(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of each row of ``a`` to the matching row of ``b`` (both (n, D))
+    -> (n,) float64: the per-sentence figures behind ``mean_cosine`` and their spread."""
     if a.shape != b.shape or a.dim() != 2:
         raise ValueError(f"need two (n, D) tensors of one shape, got {a.shape} and {b.shape}")
-    cos = F.cosine_similarity(a.double(), b.double(), dim=-1)  # (n,)
-    return float(cos.mean())
+    return F.cosine_similarity(a.double(), b.double(), dim=-1)  # (n,)
+
+
+def mean_cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean cosine similarity of matching rows of ``a`` and ``b`` (both (n, D))."""
+    return float(cosines(a, b).mean())

@@ -27,7 +27,9 @@ def test_gptq_beats_round_to_nearest_on_smollm2() -> None:
     from kiln.models.catalog import load_smollm2
 
     model, tok = load_smollm2()
-    task = LanguageModelTask(model, tok, calib_samples=2, seq_len=256, eval_tokens=1024)
+    task = LanguageModelTask(
+        model, tok, calib_samples=2, seq_len=256, eval_tokens=1024, confirm_tokens=512
+    )
     base = task.baseline()
     # SmolLM2 reads Austen at ppl ~20 (docs/benchmarks.md: 22.2 on 20k tokens)
     assert 10 < base < 40
@@ -47,16 +49,24 @@ def test_gptq_beats_round_to_nearest_on_smollm2() -> None:
 @requires_minilm
 def test_minilm_mixed_plan_keeps_cosine() -> None:
     """The mixed-plan procedure on the fp32 sentence encoder: the plan it reports as
-    within budget keeps the mean embedding cosine >= 0.99 on held-out sentences."""
+    within budget keeps the mean embedding cosine >= 0.99 on the confirmation sentences
+    (Sense and Sensibility), which its search (on Pride and Prejudice) never saw."""
     from kiln.models.catalog import load_minilm
 
     model, tok = load_minilm()
     original = model_nbytes(model)
-    task = EncoderTask(model, tok, calib_sentences=64, eval_sentences=64, batch_size=32)
+    task = EncoderTask(
+        model, tok, calib_sentences=64, eval_sentences=64, confirm_sentences=128, batch_size=32
+    )
     options = (Int8WeightOnly(method="gptq"), Int4WeightOnly(group_size=32, method="gptq"))
     out = compress_to_budget(task, 0.01, options=options, check=False)
-    assert out.result.met
-    assert task.cosine(model) >= 0.99
+    assert out.met and out.confirmation is not None, out.verdict
+    assert out.result.final.upper <= 0.01  # the search's figure plus its margin
+    confirmed = 1.0 - task.measure_confirmation(model).mean  # the compressed model now
+    assert confirmed >= 0.99
+    assert confirmed == pytest.approx(1.0 - out.confirmation.increase, abs=1e-9)
+    assert out.verdict.startswith("confirmed: 1 - cosine")
+    assert "Sense and Sensibility (128 sentences)" in out.verdict
     assert model_nbytes(model) < original
     with torch.no_grad():  # the compressed model still runs on a fresh sentence
         enc = tok(["It is a truth universally acknowledged."], return_tensors="pt")

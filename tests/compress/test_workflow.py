@@ -79,8 +79,8 @@ def test_compress_to_budget_applies_plan_and_confirms() -> None:
     compressed = [m for m in task.model.modules() if isinstance(m, CompressedLinear)]
     assert len(compressed) == sum(1 for v in out.result.final.choice.values() if v != DENSE)
     assert task.measure(task.model) == pytest.approx(out.result.final.measured, rel=1e-5)
-    assert {c.option for c in out.confirmations} == set(out.result.final.choice.values()) - {DENSE}
-    assert all(c.measured > 0 for c in out.confirmations)
+    assert {c.option for c in out.option_checks} == set(out.result.final.choice.values()) - {DENSE}
+    assert all(c.measured > 0 for c in out.option_checks)
     assert out.frontier[0].cost >= out.frontier[-1].cost or len(out.frontier) == 1
     assert workflow.model_nbytes(task.model) < workflow.model_nbytes(toy_mlp(seed=4))
     torch.manual_seed(0)
@@ -139,32 +139,40 @@ def test_measured_rounds_are_kept_and_a_rerun_resumes(rounds_in_tmp) -> None:
     import json
 
     fresh = workflow.compress_to_budget(
-        ToyTask(toy_mlp(seed=4)), 0.002, options=OPTIONS, check=False, apply=False, resume=False
+        ToyTask(toy_mlp(seed=4)),
+        0.002,
+        options=OPTIONS,
+        check=False,
+        confirm=False,
+        apply=False,
+        resume=False,
     )
     assert len(fresh.result.rounds) >= 3
     task = ToyTask(toy_mlp(seed=4))
     table = workflow.analyse_model(task, OPTIONS)
     calls: list[float] = []
-    real = task.measure
+    real = task.measure_search  # the real measurement, before it is wrapped
 
     def dying(model: torch.nn.Module) -> float:
         if len(calls) == 2:
             raise RuntimeError("killed")
-        calls.append(real(model))
+        calls.append(real(model).mean)
         return calls[-1]
 
-    task.measure = dying  # type: ignore[method-assign]
+    task.measure_search = dying  # type: ignore[assignment]
     with pytest.raises(RuntimeError, match="killed"):
-        workflow.compress_to_budget(task, 0.002, table=table, check=False)
+        workflow.compress_to_budget(task, 0.002, table=table, check=False, confirm=False)
     (path,) = rounds_in_tmp.glob("*.json")
     kept = json.loads(path.read_text())["rounds"]
     assert [r["measured"] for r in kept] == calls
     assert set(kept[0]) >= {"choice", "measured", "predicted", "predicted_budget", "budget"}
 
     calls.clear()
-    task.measure = lambda model: calls.append(real(model)) or calls[-1]  # type: ignore[method-assign]
+    task.measure_search = lambda model: calls.append(real(model).mean) or calls[-1]  # type: ignore[assignment]
     notes = Notes()
-    out = workflow.compress_to_budget(task, 0.002, table=table, check=False, reporter=notes)
+    out = workflow.compress_to_budget(
+        task, 0.002, table=table, check=False, confirm=False, reporter=notes
+    )
     assert f"resumed 2 measured plans from {path}" in notes.notes
     assert len(calls) == len(out.result.rounds) - 2  # the first two came from the file
     assert [r.measured for r in out.result.rounds] == [r.measured for r in fresh.result.rounds]
@@ -173,7 +181,9 @@ def test_measured_rounds_are_kept_and_a_rerun_resumes(rounds_in_tmp) -> None:
     other = workflow.analyse_model(ToyTask(toy_mlp(seed=4)), OPTIONS[:2])
     task2 = ToyTask(toy_mlp(seed=4))
     notes2 = Notes()
-    workflow.compress_to_budget(task2, 0.002, table=other, check=False, reporter=notes2)
+    workflow.compress_to_budget(
+        task2, 0.002, table=other, check=False, confirm=False, reporter=notes2
+    )
     assert not any(n.startswith("resumed") for n in notes2.notes)
     assert len(list(rounds_in_tmp.glob("*.json"))) == 2
 

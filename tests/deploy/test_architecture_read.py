@@ -207,7 +207,9 @@ def test_bad_glm_values(tmp_path: Path) -> None:
         read_architecture(str(_write(tmp_path, {**raw, "activation": "gelu"})))
 
 
-def test_published_configs_are_read_by_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_published_configs_are_read_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     by_name = read_architecture("qwen2-1.5b")
     by_file = read_architecture(str(CONFIGS / "qwen2-1.5b.json"))
     assert (by_name.n_layers, by_name.hidden_size, by_name.total_params) == (

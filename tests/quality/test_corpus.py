@@ -59,6 +59,21 @@ def test_evaluation_tokens_are_the_first_tokens(fake_novels: dict[str, str]) -> 
         corpus.evaluation_tokens(CharTokenizer(), 10**6)
 
 
+def test_search_and_confirmation_tokens_come_from_two_novels(fake_novels: dict[str, str]) -> None:
+    tok = CharTokenizer()
+    search, confirm = corpus.search_tokens(tok, 40), corpus.confirmation_tokens(tok, 40)
+    assert "".join(map(chr, search.tolist())) == fake_novels["pride_and_prejudice"][:40]
+    assert "".join(map(chr, confirm.tolist())) == fake_novels["sense_and_sensibility"][:40]
+    assert torch.equal(corpus.evaluation_tokens(tok, 40), search)  # the older name
+    assert corpus.EVALUATION_NOVEL == corpus.SEARCH_NOVEL != corpus.CONFIRMATION_NOVEL
+    roles = {corpus.CALIBRATION_NOVEL, corpus.SEARCH_NOVEL, corpus.CONFIRMATION_NOVEL}
+    assert (
+        len(roles) == 3 and roles <= set(corpus.NOVELS) and set(corpus.TITLES) == set(corpus.NOVELS)
+    )
+    with pytest.raises(ValueError, match="sense_and_sensibility"):
+        corpus.confirmation_tokens(tok, 10**6)
+
+
 def test_calibration_batches_are_seeded_windows_of_emma(fake_novels: dict[str, str]) -> None:
     emma = fake_novels["emma"]
     batch = corpus.calibration_batches(CharTokenizer(), n_samples=6, seq_len=17, seed=3)
@@ -143,3 +158,26 @@ def test_real_evaluation_tokens_decode_to_the_text(smollm2: tuple[Any, Any]) -> 
     assert ids.shape == (4096,)
     text = tokenizer.decode(ids.tolist())
     assert corpus.load_novel("pride_and_prejudice").startswith(text)
+
+
+@requires_corpus
+def test_real_confirmation_text_is_sense_and_sensibility_and_shares_no_sentence() -> None:
+    assert corpus.load_novel(corpus.CONFIRMATION_NOVEL).startswith("SENSE AND SENSIBILITY")
+    search = corpus.sentences(corpus.SEARCH_NOVEL, 1024, seed=0)
+    confirm = corpus.confirmation_sentences(1024, seed=0)
+    assert len(confirm) == 1024 and set(search).isdisjoint(confirm)
+    sense = corpus.load_novel("sense_and_sensibility")
+    assert all(" ".join(s.split()[:4]) in " ".join(sense.split()) for s in confirm[:50])
+
+
+@requires_corpus
+@requires_smollm2
+def test_real_search_and_confirmation_windows_share_no_text(smollm2: tuple[Any, Any]) -> None:
+    """The 20,000-token search and confirmation streams: different novels, no common run of
+    32 tokens (a shared passage would show as one)."""
+    _, tokenizer = smollm2
+    search = corpus.search_tokens(tokenizer, 20000).tolist()
+    confirm = corpus.confirmation_tokens(tokenizer, 20000).tolist()
+    assert corpus.load_novel("sense_and_sensibility").startswith(tokenizer.decode(confirm[:4096]))
+    grams = {tuple(search[i : i + 32]) for i in range(len(search) - 31)}
+    assert not any(tuple(confirm[i : i + 32]) in grams for i in range(len(confirm) - 31))

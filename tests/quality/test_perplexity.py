@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.quality.perplexity import perplexity, sliding_windows
+from kiln.quality.perplexity import perplexity, sliding_windows, window_losses
 
 VOCAB = 37
 
@@ -112,3 +112,38 @@ def test_progress_and_argument_checks() -> None:
         perplexity(TinyCausalLM(), ids, context=16, stride=17)
     with pytest.raises(TypeError):
         perplexity(lambda x: x, ids, context=16, stride=8)
+
+
+def naive_windows(
+    model: nn.Module, ids: torch.Tensor, context: int, stride: int
+) -> list[tuple[float, int]]:
+    """The textbook loop, window by window: (summed NLL, scored tokens) of each window."""
+    out, prev_end = [], 0
+    for begin in range(0, ids.numel(), stride):
+        end = min(begin + context, ids.numel())
+        window = ids[begin:end]
+        labels = window.clone()
+        labels[: window.numel() - (end - prev_end)] = -100  # scored by an earlier window
+        logits = model(window[None])[0]  # (T, V)
+        nll = F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
+        out.append((nll.item(), int((labels[1:] != -100).sum())))
+        prev_end = end
+        if end == ids.numel():
+            break
+    return out
+
+
+@pytest.mark.parametrize("n_tokens,context,stride", [(200, 32, 16), (200, 32, 32), (77, 10, 3)])
+def test_window_losses_match_a_window_by_window_reference(
+    n_tokens: int, context: int, stride: int
+) -> None:
+    """Each window's summed NLL and count equal the textbook loop's for that window, and
+    their total is ``perplexity``."""
+    model = TinyCausalLM()
+    ids = torch.randint(0, VOCAB, (n_tokens,), generator=torch.Generator().manual_seed(3))
+    got = window_losses(model, ids, context=context, stride=stride, batch_size=3)
+    want = naive_windows(model, ids, context, stride)
+    assert got.counts.tolist() == [c for _, c in want]
+    assert got.nll.tolist() == pytest.approx([n for n, _ in want], rel=1e-12)
+    assert got.mean_nll.tolist() == pytest.approx([n / c for n, c in want], rel=1e-12)
+    assert got.total() == perplexity(model, ids, context=context, stride=stride)
