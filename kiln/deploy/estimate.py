@@ -258,7 +258,8 @@ def _cpu_peak_bytes(
     """The host's peak on a CPU: every rank process at its runtime reserve plus the larger
     of its load-time and running peaks, plus the launcher when there are several ranks.
 
-    Running: resident weights, KV cache (this rank's heads), activations, scratch. Loading
+    Running: resident weights (and the C++ step's repacked copy of packed ones), KV cache
+    (this rank's heads), activations, scratch. Loading
     (kiln streams blocks, ``kiln.models.fill``): the weights the rank keeps plus one block in
     flight; a float plan loaded whole by one process may keep the checkpoint's pages
     mapped (views, or pages read to convert), so the checkpoint counts too; a quantized,
@@ -270,12 +271,19 @@ def _cpu_peak_bytes(
         checkpoint_bytes if ranks == 1 and not layout.fmt.packed and layout.offload == "none" else 0
     )
     transient = _load_transient(arch, embed_w)
+    # kiln's C++ step repacks INT8 / INT4 weights (blocks and head) for its kernels, beside
+    # the model's own copy
+    repacked = 0.0
+    if ranks == 1 and layout.offload == "none" and layout.fmt.packed:
+        linear = sum(lin.out_features * lin.in_features for lin in arch.layer_linears)
+        head = arch.head_params or arch.embedding_params
+        repacked = arch.n_layers * linear * layout.fmt.bits / 8 + head
     total = reserve if ranks > 1 else 0.0
     for layers, weights, kv in zip(stages, stage_w, stage_kv, strict=True):
         streamed = layout.offload != "none"
         resident = weights - (layers * layer_w / layout.tp if streamed else 0)
         in_flight = 2 * layer_w / layout.tp if streamed else 0  # the block run, the one fetched
-        run = (resident + in_flight + kv + scratch) * (1 + FRAGMENTATION)
+        run = (resident + in_flight + repacked + kv + scratch) * (1 + FRAGMENTATION)
         load = resident + transient + mapped
         total += layout.tp * (reserve + max(run, load))
     return int(total)

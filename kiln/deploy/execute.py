@@ -171,4 +171,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # run as the imported module, not as __main__: the ranks unpickle ``_rank_run`` by its
+    # module's name, which must be importable in their processes
+    from kiln.deploy import execute
+
+    raise SystemExit(execute.main())

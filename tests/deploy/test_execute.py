@@ -42,6 +42,11 @@ def test_parallel_plans_run_on_ranks(checkpoint: Path, tp: int, pp: int) -> None
     assert len(got["rank_peak_rss_bytes"]) == 2 and min(got["rank_peak_rss_bytes"]) > 100e6
 
 
+def test_a_parallel_plan_is_measured_in_a_fresh_process(checkpoint: Path) -> None:
+    got = measure(str(checkpoint), {**LAYOUT, "tp": 2}, "fp32", 6, 5)
+    assert "tp 2" in got.engine and got.peak_rss_bytes > 3 * 100e6  # launcher + 2 ranks
+
+
 def test_offloaded_parallel_plans_are_refused(checkpoint: Path) -> None:
     with pytest.raises(ValueError, match="one process"):
         run_layout(str(checkpoint), {**LAYOUT, "tp": 2, "offload": "disk"}, "fp32", 6, 5)
