@@ -43,10 +43,8 @@ from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly
 from kiln.compress.modules import Int4Linear, Int8Linear
 from kiln.compress.verbs import quantize_
 from kiln.core import native
-from kiln.llm.hugepages import copy_to_huge_pages, move_to_huge_pages_
+from kiln.llm.hugepages import move_to_huge_pages_
 from kiln.llm.native.step import (
-    KIND_INT4,
-    KIND_INT8,
     LAYER_END,
     LAYOUT_MAGIC,
     STORAGE,
@@ -146,31 +144,16 @@ def quantize_head_(model: Transformer, config: Int8WeightOnly | Int4WeightOnly) 
     quantize_(model, config, filter_fn=lambda mod, name: name == "lm_head")
 
 
-def _packed_to_huge_pages(d: Descriptor) -> str:
-    """Move the INT8 / INT4 layers' repacked weights (made for this descriptor, so outside
-    the model's huge pages) into huge pages too: the INT8 draft of SmolLM2 steps ~15%
-    faster. Returns what moved, for ``FastDecoder.huge_pages``."""
-    packed = [i for i, (_, a) in enumerate(d.linears) if a.kind in (KIND_INT8, KIND_INT4)]
-    if not packed:
-        return ""
-    copies, why = copy_to_huge_pages([d.linears[i][1].weight for i in packed])
-    if not copies:
-        return f"; packed weights: {why}"
-    for i, weight in zip(packed, copies, strict=True):
-        d.relocate(i, weight)
-    moved = sum(w.numel() * w.element_size() for w in copies)
-    return f"; packed weights: {moved / 2**20:.0f} MiB moved"
-
-
 class FastDecoder:
     """Decode ``batch`` sequences of up to ``max_len`` tokens of ``model`` in C++ steps.
 
     ``threads``: None (default) uses torch's thread count (libgomp's pool), or 1 when a step
     streams less than a few MB (waking a second thread costs more than it saves); a number
-    forces that many threads. ``huge_pages`` (default) first moves the model's parameters,
-    then the INT8 / INT4 weights the decoder repacks, into transparent huge pages
-    (``kiln.llm.hugepages``: same values, fewer TLB misses per step);
-    ``self.huge_pages`` then says how many bytes moved, or why none did.
+    forces that many threads. ``huge_pages`` (default) first moves the model's parameters
+    into transparent huge pages (``kiln.llm.hugepages``: same values, fewer TLB misses per
+    step); ``self.huge_pages`` then says how many bytes moved, or why none did. INT8 / INT4
+    layers run from their repacked panels, shared with the layers' own kernels and made in
+    huge pages (``kiln.kernels.cpu.panels``), so the step adds no copy of them.
     ``max_chunk``: the most positions per sequence ``extend`` takes in one call (sizes the
     workspace; a speculative verifier needs its draft length + 1).
     """
@@ -204,8 +187,6 @@ class FastDecoder:
         self.vocab = cfg.vocab_size
         self.cache = model.new_cache(batch, max_len)
         d = self._describe(model, cfg)
-        if huge_pages:
-            self.huge_pages += _packed_to_huge_pages(d)
         self._desc = d.to_tensor()
         self._keep = (d.keep, d.linears)  # every tensor the descriptor points to
         rows = batch * max_chunk

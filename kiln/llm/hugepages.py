@@ -18,83 +18,17 @@ the reason is returned: the weights are then exactly where they were, only slowe
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import weakref
-from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
 
+from kiln.core.huge_pages import ALIGN, HUGE_PAGE, huge_page_arena, thp_mode
+from kiln.core.huge_pages import aligned as _aligned
 from kiln.core.memory import trim_heap
 
-HUGE_PAGE = 2 << 20
-ALIGN = 64  # each tensor's first byte: a cache line
+__all__ = ["ALIGN", "HUGE_PAGE", "move_to_huge_pages_", "thp_mode"]
 TRIM_EVERY = 16 << 20  # bytes moved between handing freed heap back to the OS
-MADV_HUGEPAGE = 14  # linux/mman.h
-THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-
-
-def thp_mode() -> str:
-    """The kernel's THP policy: ``always``, ``madvise``, ``never``, or ``unavailable``."""
-    try:
-        text = THP_ENABLED.read_text()
-    except OSError:
-        return "unavailable"
-    chosen = [w[1:-1] for w in text.split() if w.startswith("[")]
-    return chosen[0] if chosen else "unavailable"
-
-
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    fn = ctypes.CDLL(name, use_errno=True).madvise
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn  # type: ignore[no-any-return]
-
-
-def huge_page_arena(nbytes: int) -> tuple[Tensor | None, str]:
-    """``nbytes`` of uint8 CPU memory starting on a 2 MB boundary, marked for huge pages;
-    (None, why) when they cannot be had. The pages are not touched (not yet resident)."""
-    mode = thp_mode()
-    if mode not in ("always", "madvise"):
-        return None, f"transparent huge pages are {mode}"
-    madvise = _madvise()
-    if madvise is None:
-        return None, "no C library to call madvise"
-    span = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
-    raw = torch.empty(span + HUGE_PAGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % HUGE_PAGE
-    arena = raw[start : start + span]
-    if madvise(arena.data_ptr(), span, MADV_HUGEPAGE) != 0:
-        return None, f"madvise(MADV_HUGEPAGE) failed: errno {ctypes.get_errno()}"
-    return arena, ""
-
-
-def _aligned(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
-
-
-def copy_to_huge_pages(tensors: Sequence[Tensor]) -> tuple[list[Tensor], str]:
-    """Copies of the CPU ``tensors`` (same values, dtypes and shapes, contiguous), together
-    in one huge-page arena; ([], why) when huge pages cannot be had."""
-    sizes = [t.numel() * t.element_size() for t in tensors]
-    arena, why = huge_page_arena(sum(_aligned(n) for n in sizes))
-    if arena is None:
-        return [], why
-    copies, offset = [], 0
-    with torch.no_grad():
-        for t, size in zip(tensors, sizes, strict=True):
-            view = arena[offset : offset + size].view(t.dtype).view(t.shape)
-            view.copy_(t)
-            copies.append(view)
-            offset += _aligned(size)
-    return copies, ""
 
 
 def move_to_huge_pages_(module: nn.Module) -> tuple[int, str]:

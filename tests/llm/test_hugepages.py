@@ -9,10 +9,11 @@ import pytest
 import torch
 from torch import nn
 
-from kiln.compress import Int4WeightOnly
+from kiln.compress import Int4WeightOnly, Int8WeightOnly
+from kiln.core import huge_pages
 from kiln.llm import hugepages
 from kiln.llm.fast_decoder import FastDecoder
-from kiln.llm.native.step import KIND_INT4, Descriptor, dense_args
+from kiln.llm.native.step import KIND_INT4, KIND_INT8
 from tests.support.models import TINY_LLAMA, tiny_transformer
 
 CFG = TINY_LLAMA
@@ -53,12 +54,12 @@ def test_thp_mode_reads_the_bracketed_choice(
 ) -> None:
     f = tmp_path / "enabled"
     f.write_text("always [madvise] never\n")
-    monkeypatch.setattr(hugepages, "THP_ENABLED", f)
+    monkeypatch.setattr(huge_pages, "THP_ENABLED", f)
     assert hugepages.thp_mode() == "madvise"
     f.write_text("always madvise [never]\n")
     assert hugepages.thp_mode() == "never"
-    assert hugepages.huge_page_arena(4096) == (None, "transparent huge pages are never")
-    monkeypatch.setattr(hugepages, "THP_ENABLED", tmp_path / "missing")
+    assert huge_pages.huge_page_arena(4096) == (None, "transparent huge pages are never")
+    monkeypatch.setattr(huge_pages, "THP_ENABLED", tmp_path / "missing")
     assert hugepages.thp_mode() == "unavailable"
 
 
@@ -70,28 +71,21 @@ def test_fast_decoder_reports_what_moved() -> None:
 
 
 @pytest.mark.skipif(not HAVE_THP, reason="transparent huge pages are off here")
-def test_packed_weights_move_and_steps_are_unchanged() -> None:
-    """An INT4 model's repacked weights (made by the decoder, outside the model's arena)
-    move into huge pages too; the step's logits are bit-identical either way."""
-    model = tiny_transformer(CFG, compression=Int4WeightOnly(group_size=32))
-    moved, kept = FastDecoder(model, 1, 8), FastDecoder(model, 1, 8, huge_pages=False)
-    assert "packed weights:" in moved.huge_pages and moved.huge_pages.endswith("MiB moved")
-    for dec, in_arena in ((moved, True), (kept, False)):
-        for _, args in dec._keep[1]:  # (first word, LinearArgs) of every linear record
-            if args.kind == KIND_INT4:  # a view into the shared arena, or its own storage
-                assert (args.weight.untyped_storage().nbytes() > args.weight.nbytes) == in_arena
-    tok = torch.tensor([5])
-    assert torch.equal(moved.step(tok, 0), kept.step(tok, 0))
-
-
-def test_relocate_checks_the_copy() -> None:
-    d = Descriptor()
-    d.linear(dense_args(torch.randn(4, 3), None))
-    with pytest.raises(ValueError, match="differs"):
-        d.relocate(0, torch.zeros(3, 4))
-    w = torch.randn(4, 3)
-    d.relocate(0, w)
-    assert d.words[4] == w.data_ptr() and d.linears[0][1].weight is w
-    assert d.to_tensor()[4] == w.data_ptr()
-    with pytest.raises(RuntimeError, match="after to_tensor"):
-        d.relocate(0, torch.randn(4, 3))
+def test_packed_weights_are_shared_with_the_layers_kernels_and_in_huge_pages() -> None:
+    """An INT4 / INT8 model's repacked weights: one copy, used by the layer's own kernel
+    (eager prefill) and by every decoder's step, born in huge pages; steps are unchanged."""
+    for config in (Int4WeightOnly(group_size=32), Int8WeightOnly()):
+        model = tiny_transformer(CFG, compression=config)
+        with torch.no_grad():  # the eager layers build their kernels first
+            model(torch.tensor([[1, 2, 3]]), 0, model.new_cache(1, 8))
+        a, b = FastDecoder(model, 1, 8), FastDecoder(model, 1, 8, huge_pages=False)
+        kinds = (KIND_INT4, KIND_INT8)
+        packed_a = [args.weight for _, args in a._keep[1] if args.kind in kinds]
+        packed_b = [args.weight for _, args in b._keep[1] if args.kind in kinds]
+        assert packed_a and all(x is y for x, y in zip(packed_a, packed_b, strict=True))
+        layer = model.layers[0].mlp.up
+        assert any(layer._kernel._small._w is w for w in packed_a)  # the eager kernel's own
+        for w in packed_a:  # carved from a 2 MB-aligned arena
+            assert w.untyped_storage().nbytes() >= hugepages.HUGE_PAGE
+        tok = torch.tensor([5])
+        assert torch.equal(a.step(tok, 0), b.step(tok, 0))

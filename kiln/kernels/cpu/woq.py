@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kiln.core import native
+from kiln.kernels.cpu.panels import int4_panels, int8_panels
 from kiln.kernels.formats import (
     check_input,
     check_int4,
@@ -94,37 +95,6 @@ def load_extension() -> ModuleType:
     return native.load_plain_extension("woq", SOURCES, FLAGS)
 
 
-# ------------------------------------------------------------------ repacking
-def _pad_rows(t: Tensor, rows: int) -> Tensor:
-    out = torch.zeros((rows, *t.shape[1:]), dtype=t.dtype)
-    out[: t.shape[0]] = t
-    return out
-
-
-def panels_int8(qweight: Tensor, lanes: int) -> Tensor:
-    """qweight int8 (N, K) -> panels int8 (ceil(N / lanes), K, lanes), zero-padded."""
-    n, k = qweight.shape
-    panels = -(-n // lanes)
-    q = _pad_rows(qweight, panels * lanes).view(panels, lanes, k)
-    return q.transpose(1, 2).contiguous()  # (P, K, W)
-
-
-def panels_int4(
-    packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, lanes: int
-) -> Tensor:
-    """The INT4 format -> per-panel group records uint8 (P, G, 4W + gW/2) (see woq.h)."""
-    n, k = packed.shape[0], 2 * packed.shape[1]
-    panels, groups, half = -(-n // lanes), k // group_size, group_size // 2
-    nib = _pad_rows(packed, panels * lanes).view(panels, lanes, groups, half)
-    nib = nib.permute(0, 2, 3, 1).reshape(panels, groups, half * lanes)  # (P, G, g/2 * W)
-
-    def halves(t: Tensor) -> Tensor:  # (N, G) fp16 -> (P, G, 2W) bytes
-        t = _pad_rows(t, panels * lanes).view(panels, lanes, groups).transpose(1, 2)
-        return t.contiguous().view(torch.uint8)
-
-    return torch.cat((halves(scale), halves(offset), nib), dim=2).contiguous()
-
-
 # ------------------------------------------------------------------ backends
 # A backend maps a contiguous float32 x (..., K) holding M = x.numel() // K rows to (..., N).
 # (Leading dims are kept as they are: no reshape/view on kiln's path, ~1-2 us each here.)
@@ -134,10 +104,8 @@ RowKernel = Callable[[Tensor, int], Tensor]
 class _KilnInt8:
     def __init__(self, qweight: Tensor, scale: Tensor):
         self._ext = load_extension()
-        lanes = self._ext.lanes()
         self.n, self.k = qweight.shape
-        self._w = panels_int8(qweight, lanes)  # (P, K, W)
-        self._scale = _pad_rows(scale, self._w.shape[0] * lanes)  # (P * W,)
+        self._w, self._scale = int8_panels(qweight, scale, self._ext.lanes())  # (P, K, W)
         self._w_ptr, self._scale_ptr = self._w.data_ptr(), self._scale.data_ptr()
 
     def __call__(self, x: Tensor, m: int) -> Tensor:
@@ -152,7 +120,7 @@ class _KilnInt4:
     def __init__(self, packed: Tensor, scale: Tensor, offset: Tensor, group_size: int):
         self._ext = load_extension()
         self.n, self.k, self.g = packed.shape[0], 2 * packed.shape[1], group_size
-        self._w = panels_int4(packed, scale, offset, group_size, self._ext.lanes())
+        self._w = int4_panels(packed, scale, offset, group_size, self._ext.lanes())
         self._w_ptr = self._w.data_ptr()
 
     def __call__(self, x: Tensor, m: int) -> Tensor:

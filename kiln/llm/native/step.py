@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -29,7 +29,7 @@ from torch import Tensor
 
 from kiln.core import native
 from kiln.kernels.cpu import woq
-from kiln.kernels.cpu.woq import panels_int4, panels_int8
+from kiln.kernels.cpu.panels import int4_panels, int8_panels
 from kiln.kernels.formats import check_int4, check_int8
 
 HERE = Path(__file__).resolve().parent
@@ -130,22 +130,20 @@ def dense_args(weight: Tensor, bias: Tensor | None) -> LinearArgs:
 
 
 def int8_args(qweight: Tensor, scale: Tensor, bias: Tensor | None) -> LinearArgs:
-    """An INT8 weight-only layer (kiln.kernels.registry format), repacked into woq's panels."""
+    """An INT8 weight-only layer (kiln.kernels.registry format), in woq's panels (the copy
+    the layer's own kernel uses, when it has made one)."""
     n, k = check_int8(qweight, scale)
-    lanes = load_extension().lanes()
-    w = panels_int8(qweight.contiguous(), lanes)  # (P, K, lanes)
-    padded = torch.zeros(w.shape[0] * lanes)
-    padded[:n] = scale
+    w, padded = int8_panels(qweight, scale, load_extension().lanes())  # (P, K, lanes)
     return LinearArgs(KIND_INT8, n, k, 0, w, padded, _bias(bias, n))
 
 
 def int4_args(
     packed: Tensor, scale: Tensor, offset: Tensor, group_size: int, bias: Tensor | None
 ) -> LinearArgs:
-    """An INT4 weight-only layer (kiln.kernels.registry format), repacked into woq's records."""
+    """An INT4 weight-only layer (kiln.kernels.registry format), in woq's records (shared
+    with the layer's own kernel)."""
     n, k = check_int4(packed, scale, offset, group_size)
-    lanes = load_extension().lanes()
-    w = panels_int4(packed.contiguous(), scale.contiguous(), offset.contiguous(), group_size, lanes)
+    w = int4_panels(packed, scale, offset, group_size, load_extension().lanes())
     return LinearArgs(KIND_INT4, n, k, group_size, w, None, _bias(bias, n))
 
 
@@ -174,7 +172,6 @@ class Descriptor:
     words: list[int] = field(default_factory=list)
     keep: list[object] = field(default_factory=list)  # tensors pointed to
     linears: list[tuple[int, LinearArgs]] = field(default_factory=list)  # (first word, record)
-    sealed: bool = False  # to_tensor was called: a snapshot points at the current tensors
 
     def ints(self, *values: int) -> None:
         self.words.extend(int(v) for v in values)
@@ -204,19 +201,6 @@ class Descriptor:
         self.linears.append((len(self.words), args))
         self.words.extend(args.record())
 
-    def relocate(self, index: int, weight: Tensor) -> None:
-        """Point linear record ``index`` (of ``linears``) at ``weight``, a copy of its weight
-        elsewhere in memory (same dtype, shape and bytes); the old one is then released."""
-        if self.sealed:
-            raise RuntimeError("relocate after to_tensor: the snapshot would keep the old weight")
-        at, args = self.linears[index]
-        if weight.dtype != args.weight.dtype or weight.shape != args.weight.shape:
-            raise ValueError(f"relocated weight {weight.dtype} {tuple(weight.shape)} differs "
-                             f"from {args.weight.dtype} {tuple(args.weight.shape)}")  # fmt: skip
-        self.linears[index] = (at, replace(args, weight=weight))
-        self.words[at + 4] = weight.data_ptr()  # the record's weight pointer
-
     def to_tensor(self) -> Tensor:
-        """The descriptor as C++ reads it: a snapshot, so no record may move afterwards."""
-        self.sealed = True
+        """The descriptor as C++ reads it."""
         return torch.tensor(self.words, dtype=torch.int64)

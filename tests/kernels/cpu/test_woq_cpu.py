@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from kiln.core import native
 from kiln.core.cache import cache_dir
+from kiln.kernels.cpu import panels as kp
 from kiln.kernels.cpu import woq as cw
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from tests.support.compare import assert_close_to_reference
@@ -125,17 +126,17 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
 # ------------------------------------------------------------------ layouts
 def test_int8_panels_layout(lanes: int) -> None:
     q, _ = _int8(lanes + 3, 5)
-    panels = cw.panels_int8(q, lanes)
-    assert panels.shape == (2, 5, lanes)
+    out = kp.panels_int8(q, lanes)
+    assert out.shape == (2, 5, lanes)
     for n in range(lanes + 3):
-        assert torch.equal(panels[n // lanes, :, n % lanes], q[n])
-    assert not panels[1, :, 3:].any()  # zero padding past N
+        assert torch.equal(out[n // lanes, :, n % lanes], q[n])
+    assert not out[1, :, 3:].any()  # zero padding past N
 
 
 def test_int4_records_layout(lanes: int) -> None:
     n, k, g = lanes + 1, 128, 64
     packed, scale, offset = _int4(n, k, g, symmetric=False)
-    rec = cw.panels_int4(packed, scale, offset, g, lanes)
+    rec = kp.panels_int4(packed, scale, offset, g, lanes)
     assert rec.shape == (2, k // g, 4 * lanes + g // 2 * lanes)
     for row in range(n):
         p, lane = divmod(row, lanes)
