@@ -6,6 +6,13 @@ and runs its forward through the fastest kernel for the device (``kiln.kernels.r
 the quantized ones). Kernels are prepared lazily, once, and dropped whenever the buffers
 move (``.to``) or are overwritten (``load_state_dict``).
 
+The stored tensors are a format, like the packed data of torchao's tensor subclasses: their
+dtypes are what the kernels and checkpoints require, and no module-wide cast changes them.
+``model.half()``, ``.float()``, ``.bfloat16()``, ``.double()`` and ``.to(device, dtype)`` move
+every buffer to the new device but keep its dtype; the dtype the call asks for becomes the
+layer's ``compute_dtype`` instead (see ``CompressedLinear._apply``). The output always has
+the input's dtype, as an ``nn.Linear``'s does after the same call.
+
 ``LAYER_KINDS`` maps the ``kind`` string saved in a checkpoint to its class: the one
 registry a loader needs.
 """
@@ -13,7 +20,7 @@ registry a loader needs.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -24,18 +31,45 @@ from kiln.kernels.formats import dequantize_int4
 from kiln.kernels.registry import int4_weight_only, int8_weight_only
 
 Kernel = Callable[[Tensor], Tensor]
+Layer = TypeVar("Layer", bound="CompressedLinear")
+
+# The dtypes a compressed layer computes in: those a floating-point cast of a model may ask for.
+COMPUTE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _keeping_dtype(fn: Callable[[Tensor], Tensor]) -> Callable[[Tensor], Tensor]:
+    """``fn`` (what ``nn.Module._apply`` maps over a module's tensors) for a tensor of a
+    fixed format: a call that would change its dtype only moves it to the device ``fn``
+    sends it to; any other (a device move, ``share_memory_``, ``to_empty``) runs as it is.
+    ``fn`` first runs on an empty tensor of the same dtype and device, which costs nothing
+    and tells which kind of call it is."""
+
+    def apply(t: Tensor) -> Tensor:
+        probe = fn(t.new_empty(0))
+        return fn(t) if probe.dtype == t.dtype else t.to(probe.device)
+
+    return apply
 
 
 class CompressedLinear(nn.Module):
-    """Base class: shapes, bias, byte size, kernel cache."""
+    """Base class: shapes, bias, byte size, kernel cache, dtype-keeping moves.
+
+    ``compute_dtype`` (float32 when built) is the dtype the layer computes in where its
+    kernel allows: the dense formats (2:4, low rank) cast their weights to it, the INT8 /
+    INT4 kernels take float32 activations whatever it is. Floating-point casts of the
+    module set it; the buffers, the bias included (an fp32 buffer of the format), keep
+    their dtypes.
+    """
 
     kind: ClassVar[str]
     bias: Tensor | None
+    compute_dtype: torch.dtype
 
     def __init__(self, in_features: int, out_features: int, bias: Tensor | None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+        self.compute_dtype = torch.float32
         self._kernel: Kernel | None = None
 
     # -- what subclasses provide -------------------------------------------------------
@@ -83,9 +117,19 @@ class CompressedLinear(nn.Module):
     def _bias_rows(self, start: int, stop: int) -> Tensor | None:
         return None if self.bias is None else self.bias[start:stop].clone()
 
+    def _sliced(self, part: Layer) -> Layer:
+        """``part``, a slice of this layer, computing in this layer's dtype."""
+        part.compute_dtype = self.compute_dtype
+        return part
+
+    def _kernel_dtype(self) -> torch.dtype:
+        """The dtype the kernel takes x in (and returns y in): the compute dtype."""
+        return self.compute_dtype
+
     def _build_kernel(self) -> Kernel:
-        """x (..., K) -> x W^T (..., N), without bias. Default: dense weight + F.linear."""
-        w = self.dense_weight()
+        """x (..., K) -> x W^T (..., N), without bias, x in ``_kernel_dtype``. Default: the
+        dense weight in the compute dtype + F.linear."""
+        w = self.dense_weight().to(self.compute_dtype)
         return lambda x: F.linear(x, w)
 
     # -- shared ------------------------------------------------------------------------
@@ -93,24 +137,45 @@ class CompressedLinear(nn.Module):
         """Bytes of the stored tensors (what a checkpoint of this layer holds)."""
         return sum(b.numel() * b.element_size() for b in self.buffers())
 
-    def forward(self, x: Tensor) -> Tensor:  # (..., K) -> (..., N)
+    def forward(self, x: Tensor) -> Tensor:  # (..., K) -> (..., N), in x's dtype
         if self._kernel is None:
             self._kernel = self._build_kernel()
-        y = self._kernel(x.float() if x.dtype != torch.float32 else x)
+        dtype = self._kernel_dtype()
+        y = self._kernel(x if x.dtype == dtype else x.to(dtype))
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias  # fp32: a half-precision y is promoted, then rounded once
         return y.to(x.dtype)
 
-    def _apply(self, fn: Any, recurse: bool = True) -> CompressedLinear:
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> CompressedLinear:
+        """``nn.Module._apply`` (behind ``.to``, ``.cuda``, ``.half``, ``.float``, ...) for a
+        fixed format: every buffer goes to the device ``fn`` moves it to, but keeps its dtype
+        (an INT4 scale stays fp16 through ``.float()``, an INT8 scale fp32 through
+        ``.half()``, so nothing is rounded and the kernels still take them). The dtype ``fn``
+        gives a floating weight of this layer's compute dtype, as it would an
+        ``nn.Linear``'s, becomes the compute dtype; one outside ``COMPUTE_DTYPES`` (a complex
+        or integer cast) is refused with a TypeError before anything moves. The kernel is
+        dropped, to be rebuilt for the new device and dtype."""
+        device = next((b.device for b in self.buffers()), torch.device("cpu"))
+        dtype = fn(torch.empty(0, dtype=self.compute_dtype, device=device)).dtype
+        if dtype not in COMPUTE_DTYPES:
+            names = ", ".join(str(d) for d in COMPUTE_DTYPES)
+            raise TypeError(
+                f"{type(self).__name__} computes in one of {names}; it cannot be cast to {dtype}"
+            )
         self._kernel = None
-        return super()._apply(fn, recurse)
+        super()._apply(_keeping_dtype(fn), recurse)
+        self.compute_dtype = dtype
+        return self
 
     def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
         self._kernel = None
         super()._load_from_state_dict(*args, **kwargs)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        text = f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        if self.compute_dtype != torch.float32:
+            text += f", compute_dtype={self.compute_dtype}"
+        return text
 
 
 class Int8Linear(CompressedLinear):
@@ -137,12 +202,15 @@ class Int8Linear(CompressedLinear):
 
     def slice_rows(self, start: int, stop: int) -> Int8Linear:
         q, scale = self.qweight[start:stop].clone(), self.scale[start:stop].clone()
-        return Int8Linear(q, scale, self._bias_rows(start, stop))
+        return self._sliced(Int8Linear(q, scale, self._bias_rows(start, stop)))
 
     def slice_cols(self, start: int, stop: int) -> Int8Linear:
         self._check_cols(start, stop, 1, "any column")
         q = self.qweight[:, start:stop].clone()  # per-channel scales cover every column
-        return Int8Linear(q, self.scale.clone(), self._bias_all())
+        return self._sliced(Int8Linear(q, self.scale.clone(), self._bias_all()))
+
+    def _kernel_dtype(self) -> torch.dtype:
+        return torch.float32  # kiln's INT8 kernels take float32 activations
 
     def _build_kernel(self) -> Kernel:
         return int8_weight_only(self.qweight, self.scale)
@@ -183,21 +251,24 @@ class Int4Linear(CompressedLinear):
         return dequantize_int4(self.packed, self.scale, self.offset, self.group_size)
 
     def slice_rows(self, start: int, stop: int) -> Int4Linear:
-        return Int4Linear(
+        return self._sliced(Int4Linear(
             self.packed[start:stop].clone(), self.scale[start:stop].clone(),
             self.offset[start:stop].clone(),
             self.group_size, self._bias_rows(start, stop),
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def slice_cols(self, start: int, stop: int) -> Int4Linear:
         g = self.group_size
         self._check_cols(start, stop, g, f"INT4 groups are {g} columns wide")
-        return Int4Linear(
+        return self._sliced(Int4Linear(
             self.packed[:, start // 2 : stop // 2].clone(),  # two columns per byte
             self.scale[:, start // g : stop // g].clone(),
             self.offset[:, start // g : stop // g].clone(),
             g, self._bias_all(),
-        )  # fmt: skip
+        ))  # fmt: skip
+
+    def _kernel_dtype(self) -> torch.dtype:
+        return torch.float32  # kiln's INT4 kernels take float32 activations
 
     def _build_kernel(self) -> Kernel:
         return int4_weight_only(self.packed, self.scale, self.offset, self.group_size)
@@ -207,8 +278,9 @@ class Sparse24Linear(CompressedLinear):
     """2:4 sparse weights stored compressed: the kept values (N, K/2) fp32 and their
     positions, 2 bits each, packed 4 per byte (N, K/8) uint8.
 
-    On a GPU with semi-structured sparse kernels the forward uses them; elsewhere the
-    dense weight is rebuilt once and used with F.linear (correct, not faster).
+    On a GPU with semi-structured sparse kernels for the compute dtype (fp16 and bf16 with
+    cuSPARSELt: after ``.half()``) the forward uses them; elsewhere the dense weight is
+    rebuilt once in the compute dtype and used with F.linear (correct, not faster).
     """
 
     kind = "2:4"
@@ -251,10 +323,12 @@ class Sparse24Linear(CompressedLinear):
         return dense.reshape(n, k)
 
     def slice_rows(self, start: int, stop: int) -> Sparse24Linear:
-        return Sparse24Linear(
-            self.values[start:stop].clone(),
-            self.positions[start:stop].clone(),
-            self._bias_rows(start, stop),
+        return self._sliced(
+            Sparse24Linear(
+                self.values[start:stop].clone(),
+                self.positions[start:stop].clone(),
+                self._bias_rows(start, stop),
+            )
         )
 
     def slice_cols(self, start: int, stop: int) -> Sparse24Linear:
@@ -270,10 +344,10 @@ class Sparse24Linear(CompressedLinear):
         nib = nib[:, start // 4 : stop // 4]  # (N, (stop - start) / 4)
         positions = nib[:, 0::2] | (nib[:, 1::2] << 4)
         values = self.values[:, start // 2 : stop // 2].clone()  # two kept values per group
-        return Sparse24Linear(values, positions, self._bias_all())
+        return self._sliced(Sparse24Linear(values, positions, self._bias_all()))
 
     def _build_kernel(self) -> Kernel:
-        w = self.dense_weight()
+        w = self.dense_weight().to(self.compute_dtype)
         if w.is_cuda:
             from kiln.kernels.gpu.sparse24 import sparse24_linear, sparse24_supported, to_sparse24
 
@@ -284,7 +358,8 @@ class Sparse24Linear(CompressedLinear):
 
 
 class LowRankLinear(CompressedLinear):
-    """W ~ U (N, r) @ V (r, K): two thin matmuls."""
+    """W ~ U (N, r) @ V (r, K): two thin matmuls, in the compute dtype (the fp32 factors are
+    cast to it once, when the kernel is built)."""
 
     kind = "lowrank"
     u: Tensor
@@ -314,16 +389,18 @@ class LowRankLinear(CompressedLinear):
         return self.u @ self.v
 
     def slice_rows(self, start: int, stop: int) -> LowRankLinear:
-        return LowRankLinear(
-            self.u[start:stop].clone(), self.v.clone(), self._bias_rows(start, stop)
+        return self._sliced(
+            LowRankLinear(self.u[start:stop].clone(), self.v.clone(), self._bias_rows(start, stop))
         )
 
     def slice_cols(self, start: int, stop: int) -> LowRankLinear:
         self._check_cols(start, stop, 1, "any column")
-        return LowRankLinear(self.u.clone(), self.v[:, start:stop].clone(), self._bias_all())
+        part = LowRankLinear(self.u.clone(), self.v[:, start:stop].clone(), self._bias_all())
+        return self._sliced(part)
 
     def _build_kernel(self) -> Kernel:
-        return lambda x: F.linear(F.linear(x, self.v), self.u)
+        u, v = self.u.to(self.compute_dtype), self.v.to(self.compute_dtype)
+        return lambda x: F.linear(F.linear(x, v), u)
 
 
 LAYER_KINDS: dict[str, type[CompressedLinear]] = {
