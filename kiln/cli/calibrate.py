@@ -26,7 +26,7 @@ def calibrate(
     gloo all-reduce between two ranks (the planner prices --hardware cpu plans with these).
     Both are cached; this refreshes them."""
     from kiln.core.calibrate import load_profile
-    from kiln.deploy.kernel_rates import load_rates
+    from kiln.deploy.rates_table import load_rates
 
     counts = [int(t) for t in threads.split(",") if t.strip()]
     with console.status("calibrating the hardware profile"):

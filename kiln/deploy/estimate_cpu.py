@@ -8,15 +8,19 @@ plus weight bytes or FLOPs at a measured rate, at the thread count a rank has):
 
 * one process, weights resident: kiln's C++ decode step (``fast-<fmt>``);
 * blocks streamed from disk: the eager module over the offload store (``offload-<fmt>``);
-* tensor- or pipeline-parallel ranks: each rank's stage through the eager module
-  (``eager-<fmt>``), two all-reduces per block under TP, a send per stage boundary and a
-  broadcast of the last position's logits (gloo, ``gloo``'s measured latency and rate).
-  kiln's ranks hold the whole embedding and head (only blocks are sharded), so the last
-  stage reads the whole head on every rank.
+* tensor- or pipeline-parallel ranks: the layout's own engine (``tp<T>-pp<P>-<fmt>``),
+  timed with its ranks launched side by side (``rank_rates``: the all-reduces in a step,
+  the stages running in turn, the cores they share), priced on the bytes along the step's
+  critical path (each stage's shard in turn, the whole head on the last stage: kiln's
+  ranks hold the whole embedding and head), plus the broadcast of the last position's
+  logits, which grows with the vocabulary. A layout that was not timed (more ranks than
+  cores) is composed from the one-process eager engine (``eager-<fmt>``), two
+  all-reduces per block under TP and a send per stage boundary (``gloo``), which runs
+  fast on paper: an estimate of what it would cost with a core per rank.
 
-Prefill (the prompt) runs through the eager module (``prefill-<fmt>``: the blocks' and the
-head's FLOPs, logits of every prompt row included, at the measured rate); a streamed plan
-also reads every offloaded block once more.
+Prefill (the prompt) runs through the eager module (``prefill-<fmt>``, or the layout's
+``prefill-tp<T>-pp<P>-<fmt>``: the blocks' and the head's FLOPs, logits of every prompt row
+included, at the measured rate); a streamed plan also reads every offloaded block once more.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dataclasses import dataclass
 
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.kernel_rates import Cost, Rates, rate_at
+from kiln.deploy.rank_rates import layout_engine, logits_broadcast_s
 
 
 @dataclass(frozen=True)
@@ -60,50 +65,64 @@ def decode_engine(run: CpuRun) -> str:
     return f"fast-{run.fmt}" if run.ranks == 1 else f"eager-{run.fmt}"
 
 
+def _layout_cost(rates: Rates, run: CpuRun, rows: int, prefill: bool) -> Cost | None:
+    """The layout's own measured engine, for several resident ranks (None otherwise)."""
+    if run.ranks == 1 or run.offload != "none":
+        return None
+    return rate_at(rates, layout_engine(run.tp, run.pp, run.fmt, prefill), rows)
+
+
 def decode_ms(arch: Architecture, run: CpuRun, rates: Rates) -> float | None:
     """One decode step of the whole batch (None when the engine was not measured)."""
+    kv_heads = math.ceil(arch.n_kv_heads / run.tp)  # a rank's own (replicated below tp)
+    kv_row = 2 * kv_heads * arch.head_dim * run.act_bytes  # one position, one layer, one rank
+    stage_bytes = [
+        layers * (run.layer_w / run.tp + run.batch * run.context * kv_row) for layers in run.stages
+    ]
+    stage_bytes[-1] += run.head_w  # every rank of the last stage computes the whole head
+    logits_s = logits_broadcast_s(rate_at(rates, "gloo", 2), run.batch, arch.vocab_size)
+    layout = _layout_cost(rates, run, run.batch, prefill=False)
+    if layout is not None:  # the stages in turn, as timed
+        return (layout.seconds(sum(stage_bytes), sum(run.stages)) + logits_s) * 1e3
     cost = rate_at(rates, decode_engine(run), run.batch)
     if cost is None:
         return None
-    kv_heads = math.ceil(arch.n_kv_heads / run.tp)  # a rank's own (replicated below tp)
-    kv_row = 2 * kv_heads * arch.head_dim * run.act_bytes  # one position, one layer, one rank
-    stage_s = []
-    for s, layers in enumerate(run.stages):
-        nbytes = layers * (run.layer_w / run.tp + run.batch * run.context * kv_row)
-        if s == len(run.stages) - 1:
-            nbytes += run.head_w  # every rank of the last stage computes the whole head
-        t = cost.seconds(nbytes, layers)
-        t += 2 * layers * _message_s(rates, run.batch * arch.hidden_size * run.act_bytes, run.tp)
-        stage_s.append(t)
-    seconds = sum(stage_s)  # one sequence of micro-batches: the stages run one after another
     hidden_msg = run.batch * arch.hidden_size * run.act_bytes
+    seconds = 0.0  # one sequence of micro-batches: the stages run one after another
+    for layers, nbytes in zip(run.stages, stage_bytes, strict=True):
+        seconds += cost.seconds(nbytes, layers) + 2 * layers * _message_s(rates, hidden_msg, run.tp)
     seconds += (run.pp - 1) * _message_s(rates, hidden_msg, 2)
     if run.ranks > 1:  # the last stage's logits go to every rank
-        seconds += _message_s(rates, run.batch * arch.vocab_size * 4, 2)
+        seconds += logits_s
     return seconds * 1e3
 
 
 def prefill_ms(arch: Architecture, run: CpuRun, rates: Rates) -> float | None:
     """The prompt of every sequence, to the first token's logits (None when not measured)."""
     rows = run.batch * run.prompt_len
+    attn = 2 * 2 * arch.n_heads * arch.head_dim * run.prompt_len**2 / 2  # causal q.k and p.v
+    flops_layer = 2 * rows * arch.params_per_layer + run.batch * attn
+    head_flops = 2 * rows * arch.hidden_size * arch.vocab_size  # every row's logits
+    layers = sum(run.stages)
+    layout = _layout_cost(rates, run, rows, prefill=True)
+    if layout is not None:
+        gloo = rate_at(rates, "gloo", 2)
+        seconds = layout.seconds(layers * flops_layer / run.tp + head_flops, layers)
+        return (seconds + logits_broadcast_s(gloo, run.batch, arch.vocab_size)) * 1e3
     cost = rate_at(rates, f"prefill-{run.fmt}", rows)
     if cost is None:
         return None
-    attn = 2 * 2 * arch.n_heads * arch.head_dim * run.prompt_len**2 / 2  # causal q.k and p.v
-    flops_layer = 2 * rows * arch.params_per_layer + run.batch * attn
-    seconds = 0.0
-    for layers in run.stages:
-        seconds += cost.seconds(layers * flops_layer / run.tp, layers)
-        seconds += 2 * layers * _message_s(rates, rows * arch.hidden_size * run.act_bytes, run.tp)
-    seconds += cost.seconds(2 * rows * arch.hidden_size * arch.vocab_size, 0)  # every row's logits
-    seconds += (run.pp - 1) * _message_s(rates, rows * arch.hidden_size * run.act_bytes, 2)
+    act_msg = rows * arch.hidden_size * run.act_bytes
+    seconds = cost.seconds(layers * flops_layer / run.tp + head_flops, layers)
+    seconds += 2 * layers * _message_s(rates, act_msg, run.tp)
+    seconds += (run.pp - 1) * _message_s(rates, act_msg, 2)
     if run.offload != "none":  # every streamed block is read once more, as a step reads it
         step, resident = (
             rate_at(rates, f"offload-{run.fmt}", 1),
             rate_at(rates, f"eager-{run.fmt}", 1),
         )
         if step is not None and resident is not None:
-            nbytes = sum(run.stages) * run.layer_w
+            nbytes = layers * run.layer_w
             seconds += max(0.0, _streamed_s(step, nbytes) - _streamed_s(resident, nbytes))
     return seconds * 1e3
 

@@ -21,18 +21,18 @@ and rows):
   (``kiln.llm.offload``), 1 and 4 rows;
 * ``prefill-<fmt>``: a prompt through the eager module, 64 and 256 rows, in GFLOP/s;
 * ``gloo``: a collective between two ranks of this host (all-reduce, broadcast, send),
-  ``rate`` in GB/s and ``layer_s`` the per-message latency.
+  ``rate`` in GB/s and ``layer_s`` the per-message latency;
+* ``tp<T>-pp<P>-<fmt>`` and ``prefill-tp<T>-pp<P>-<fmt>``: the ranks of a layout sharing
+  this host, timed as launched (``rank_rates``), in the table of the thread count each
+  rank runs with.
 
-``load_rates(threads)`` caches the table per CPU (model name and ISA flags) and thread count
-(a tensor-parallel rank runs with ``cores // ranks`` threads, so its table is another);
-``kiln calibrate`` refreshes it.
+``rates_table.load_rates(threads)`` caches the table per CPU (model name and ISA flags) and
+thread count (a tensor-parallel rank runs with ``cores // ranks`` threads, so its table is
+another); ``kiln calibrate`` refreshes it.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -42,9 +42,6 @@ from pathlib import Path
 
 import torch
 
-from kiln.core.cache import cache_dir
-from kiln.core.hardware import cpu_model
-from kiln.core.native import cpu_flags
 from kiln.llm.generate import Decoder
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
@@ -52,7 +49,7 @@ from kiln.models.transformer import Transformer
 FORMATS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
 DECODE_ROWS = (1, 4)
 PREFILL_ROWS = (64, 256)  # one 64-token prompt, and four
-VERSION = 2  # of the cached table's layout; an older file is measured again
+VERSION = 3  # of the cached table's layout; an older file is measured again
 
 # The two calibration shapes: many narrow blocks (SmolLM2's), a few wide ones (a 1.5B
 # model's), the same small vocabulary; both larger than the last-level cache in every format.
@@ -101,11 +98,13 @@ def _model(cfg: ModelConfig, fmt: str) -> Transformer:
     return store_in_format(Transformer(cfg).eval(), fmt)
 
 
-def _matmul_params(cfg: ModelConfig) -> int:
-    """Parameters a prefill multiplies by (blocks and head; not the embedding lookup)."""
+def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
+    """Parameters a prefill row multiplies by: the blocks', and the head's (not the
+    embedding lookup)."""
     with torch.device("meta"):
         model = Transformer(cfg)
-    return sum(p.numel() for p in [*model.layers.parameters(), *model.lm_head.parameters()])
+    blocks = sum(p.numel() for p in model.layers.parameters())
+    return blocks, sum(p.numel() for p in model.lm_head.parameters())
 
 
 def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
@@ -162,7 +161,7 @@ def measure_rates(
     torch.set_num_threads(threads)
     out: dict[str, dict[int, Cost]] = {}
     shapes = (NARROW, WIDE)
-    flops_per_row = [2 * _matmul_params(s) for s in shapes]
+    flops_per_row = [2 * sum(matmul_params(s)) for s in shapes]
     try:
         for fmt in FORMATS:
             note(f"timing the {fmt} engines")
@@ -191,70 +190,6 @@ def measure_rates(
     finally:
         torch.set_num_threads(before)
     return out
-
-
-def _collective_rank(
-    rank: int, world: int, sizes: tuple[int, ...], repeats: int
-) -> dict[int, float]:
-    """One rank's median all-reduce time per message size (bytes), after a warm-up."""
-    import torch.distributed as dist
-
-    out = {}
-    for nbytes in sizes:
-        buf = torch.zeros(nbytes // 4)
-        for _ in range(5):
-            dist.all_reduce(buf)
-        times = []
-        for _ in range(repeats):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t0)
-        out[nbytes] = sorted(times)[len(times) // 2]
-    return out
-
-
-def measure_collective(world: int = 2, sizes: tuple[int, int] = (4096, 1 << 20)) -> Cost:
-    """Latency and bandwidth of a gloo all-reduce between ``world`` ranks on this host (the
-    slower rank's median at a small and a large message, ``fit`` through both). Broadcasts
-    and sends of a message cost at most as much, and the planner prices them so."""
-    from kiln.parallel.launch import launch
-
-    results = launch(_collective_rank, world, (sizes, 40), timeout_s=60.0)
-    t = [max(r[n] for r in results) for n in sizes]
-    return fit((1, sizes[0], t[0]), (1, sizes[1], t[1]))
-
-
-def rates_path(threads: int) -> str:
-    key = hashlib.sha256(f"{cpu_model()}|{' '.join(cpu_flags())}".encode()).hexdigest()[:12]
-    return str(cache_dir("kernel-rates") / f"rates-v{VERSION}-{key}-{threads}t.json")
-
-
-def load_rates(
-    threads: int = 2, refresh: bool = False, note: Callable[[str], None] = lambda _: None
-) -> dict[str, dict[int, Cost]]:
-    """This CPU's table at ``threads`` threads (cached JSON), measured now when missing
-    (a minute or two; ``note`` hears what is being timed)."""
-    path = rates_path(threads)
-    if not refresh and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-            return {
-                engine: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
-                for engine, by in raw.items()
-            }
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            pass  # a stale or corrupt entry: measure again
-    rates = measure_rates(threads, note)
-    note("timing a gloo all-reduce between two ranks")
-    rates["gloo"] = {2: measure_collective(2)}
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}
-        json.dump(raw_out, f, indent=1)
-    os.replace(tmp, path)
-    return rates
 
 
 def rate_at(rates: Rates, engine: str, rows: int) -> Cost | None:

@@ -86,7 +86,7 @@ def measurements(
     if hw.device.kind != "cpu":
         return Measurements(checkpoint_bytes(model))
     from kiln.deploy.estimate_cpu import threads_per_rank
-    from kiln.deploy.kernel_rates import load_rates
+    from kiln.deploy.rates_table import load_rates
 
     cores = len(os.sched_getaffinity(0))
     threads = {threads_per_rank(cores, ranks) for ranks in range(1, hw.count + 1)}

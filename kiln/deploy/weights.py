@@ -41,7 +41,8 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
     # float block linears with data: not those quantized while loading, nor meta ones
     blocks = lambda m, name: name.startswith("layers.") and not m.weight.is_meta  # noqa: E731
     quantize_(model, config, filter_fn=blocks)
-    quantize_head_(model, Int8WeightOnly())
+    if model.lm_head.weight.numel():  # not a pipeline stage's released head
+        quantize_head_(model, Int8WeightOnly())
     return model
 
 

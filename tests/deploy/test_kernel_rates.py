@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from kiln.deploy import estimate_cpu, kernel_rates
+from kiln.deploy import estimate_cpu, rates_table
 from kiln.deploy.architecture import read_architecture
 from kiln.deploy.kernel_rates import (
     Cost,
     fit,
-    load_rates,
-    measure_collective,
     prefill_seconds,
     rate_at,
     step_seconds,
 )
+from kiln.deploy.rank_rates import layout_engine, layouts_of, measure_collective, measure_layouts
+from kiln.deploy.rates_table import load_rates
 from kiln.llm.generate import EagerDecoder
+from kiln.models.config import ModelConfig
 from tests.support.models import tiny_transformer
 
 TABLE = {"fast-int8": {1: Cost(20.0, 1e-5), 4: Cost(12.0, 2e-5)}, "eager-int8": {1: Cost(7.0, 0)}}
@@ -57,17 +58,25 @@ def test_rates_are_cached_per_machine_and_thread_count(
         calls.append(threads)
         return {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}}
 
-    monkeypatch.setattr(kernel_rates, "measure_rates", fake)
-    monkeypatch.setattr(kernel_rates, "measure_collective", lambda world: Cost(1.0, 5e-5))
+    def fake_layouts(ranks: int, formats: object, gloo: Cost, note: object) -> dict:
+        calls.append(-ranks)
+        return {"tp2-pp1-fp32": {1: Cost(3.0, 1e-3)}}
+
+    monkeypatch.setattr(rates_table, "measure_rates", fake)
+    monkeypatch.setattr(rates_table, "measure_collective", lambda world: Cost(1.0, 5e-5))
+    monkeypatch.setattr(rates_table, "measure_layouts", fake_layouts)
+    monkeypatch.setattr(rates_table.os, "sched_getaffinity", lambda pid: {0, 1})  # 2 cores
     want = {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}, "gloo": {2: Cost(1.0, 5e-5)}}
     assert load_rates(2) == want and calls == [2]
     assert load_rates(2) == want and calls == [2]  # from the file
-    assert load_rates(1) == want and calls == [2, 1]  # another thread count, another table
-    path = Path(kernel_rates.rates_path(2))
+    # another thread count, another table: 1 thread a rank is 2 ranks here, timed launched
+    assert load_rates(1) == {**want, "tp2-pp1-fp32": {1: Cost(3.0, 1e-3)}}
+    assert calls == [2, 1, -2]
+    path = Path(rates_table.rates_path(2))
     assert json.loads(path.read_text())["fast-fp32"]["4"] == [19.0, 2e-5]
     path.write_text("{broken")
     load_rates(2)
-    assert calls == [2, 1, 2]  # a corrupt entry is measured again
+    assert calls == [2, 1, -2, 2]  # a corrupt entry is measured again
 
 
 def test_step_and_prefill_timers_time_real_work() -> None:
@@ -79,6 +88,25 @@ def test_step_and_prefill_timers_time_real_work() -> None:
 def test_a_gloo_all_reduce_between_two_ranks_is_measured() -> None:
     cost = measure_collective(2, sizes=(4096, 1 << 18))
     assert cost.layer_s < 0.05 and cost.rate > 0.01  # a loopback message: under 50 ms
+
+
+TINY_SHAPES = (
+    ("narrow", ModelConfig(family="llama", vocab_size=256, hidden_size=64, n_layers=6, n_heads=4,
+                           n_kv_heads=2, head_dim=16, intermediate_size=128, max_positions=128)),
+    ("wide", ModelConfig(family="llama", vocab_size=256, hidden_size=256, n_layers=2, n_heads=4,
+                         n_kv_heads=2, head_dim=64, intermediate_size=512, max_positions=128)),
+)  # fmt: skip
+
+
+def test_layouts_of_two_ranks_are_timed_launched() -> None:
+    assert layouts_of(2) == [(1, 2), (2, 1)] and layouts_of(4) == [(1, 4), (2, 2), (4, 1)]
+    got = measure_layouts(2, ("int8",), Cost(1.0, 1e-4), shapes=TINY_SHAPES)
+    want = {layout_engine(tp, pp, "int8", prefill) for tp, pp in ((2, 1), (1, 2))
+            for prefill in (False, True)}  # fmt: skip
+    assert set(got) == want
+    for engine, by_rows in got.items():
+        assert set(by_rows) == ({64, 256} if engine.startswith("prefill-") else {1, 4})
+        assert all(c.rate > 0 and c.layer_s >= 0 for c in by_rows.values())
 
 
 # --------------------------------------------------------------- the CPU cost model
@@ -113,3 +141,22 @@ def test_tensor_parallel_ranks_pay_two_all_reduces_per_block_and_the_logits() ->
     assert got == pytest.approx((eager + 48 * reduce + logits) * 1e3)
     assert estimate_cpu.decode_ms(arch, one, RATES) < got  # 2 cores: TP does not pay here
     assert estimate_cpu.decode_ms(arch, _run(1, 1), {}) is None  # unmeasured: the roofline's
+
+
+def test_a_layout_timed_launched_is_priced_by_its_own_engine() -> None:
+    """Its all-reduces and contention are in the timing: only the critical path's bytes
+    (stages in turn, a rank's shard, the whole head) and the vocabulary's logits remain."""
+    arch = read_architecture("qwen2-0.5b")
+    layout = Cost(4.0, 2e-3)
+    rates = {**RATES, "tp1-pp2-int8": {1: layout}, "prefill-tp1-pp2-int8": {64: Cost(50.0, 1e-3)}}
+    run = _run(1, 2)
+    kv = 24 * 96 * 2 * arch.n_kv_heads * arch.head_dim * 4
+    logits = 50e-6 + arch.vocab_size * 4 / 2e9
+    want = layout.seconds(24 * 4e6 + kv + 30e6, 24) + logits
+    assert estimate_cpu.decode_ms(arch, run, rates) == pytest.approx(want * 1e3)
+    composite = estimate_cpu.decode_ms(arch, run, RATES)  # eager + gloo, as before
+    assert composite is not None and composite < want * 1e3
+    flops = 24 * (2 * 64 * arch.params_per_layer + 2 * 2 * arch.n_heads * arch.head_dim * 64**2 / 2)
+    flops += 2 * 64 * arch.hidden_size * arch.vocab_size
+    ttft = Cost(50.0, 1e-3).seconds(flops, 24) + logits
+    assert estimate_cpu.prefill_ms(arch, run, rates) == pytest.approx(ttft * 1e3)

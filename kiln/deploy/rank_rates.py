@@ -1,0 +1,182 @@
+"""How fast tensor- and pipeline-parallel ranks sharing this host run, timed as launched.
+
+On a CPU the ranks of a layout are processes of one host. Pricing them from one process's
+timings (each rank's share of the work at its thread count, plus collectives timed alone)
+misses what dominates: a gloo all-reduce between two ranks costs ~0.4-0.6 ms in a decode
+step here (a thread hand-off on each side, with every core busy), two per block, and a
+pipeline's stages run one after another, so a rank's cores idle while the other computes.
+So each layout's engine is *timed as it runs* — ``kiln.parallel.launch`` starts the ranks,
+each builds its part of a random-weight model with ``rank_decoder`` (stage, tensor-parallel
+shard) in the plan's format, and decodes — on the same two shapes as the one-process engines
+(``kernel_rates.NARROW`` / ``WIDE``), and ``kernel_rates.fit`` solves for a cost per block
+and a rate:
+
+* ``tp<T>-pp<P>-<fmt>``: a decode step, 1 and 4 rows; ``amount`` is the bytes of weights the
+  step reads along its critical path (``step_bytes``: every stage in turn, one rank's shard
+  of each, the whole head on the last);
+* ``prefill-tp<T>-pp<P>-<fmt>``: a 64-token prompt, one and four of them; ``amount`` is the
+  FLOPs along the same path.
+
+The last stage's logits are broadcast to every rank once per call; that message grows with
+the vocabulary (4096 here, 152k for Qwen2), so it is taken out of the timings with the
+``gloo`` cost (``measure_collective``) before the fit, and the planner adds it back for the
+model it prices.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kiln.deploy.kernel_rates import (
+    DECODE_ROWS,
+    NARROW,
+    PREFILL_ROWS,
+    WIDE,
+    Cost,
+    Timings,
+    fit,
+    matmul_params,
+    step_seconds,
+)
+from kiln.models.config import ModelConfig
+
+STEPS, REPEATS = 6, 2  # decode steps per timing, best of
+
+
+def layout_engine(tp: int, pp: int, fmt: str, prefill: bool = False) -> str:
+    """The rates-table name of a ``tp x pp`` layout's decode (or prefill) engine."""
+    return f"{'prefill-' if prefill else ''}tp{tp}-pp{pp}-{fmt}"
+
+
+def layouts_of(ranks: int) -> list[tuple[int, int]]:
+    """The (tp, pp) layouts of ``ranks`` ranks that are timed: a power-of-two TP degree."""
+    return [(tp, ranks // tp) for tp in (1, 2, 4, 8) if tp <= ranks and ranks % tp == 0]
+
+
+Shapes = tuple[tuple[str, ModelConfig], ...]  # the calibration models, by name
+SHAPES: Shapes = (("narrow", NARROW), ("wide", WIDE))
+
+
+def _rank_timings(
+    rank: int, world: int, tp: int, pp: int, formats: Sequence[str], shapes: Shapes
+) -> dict[str, list[tuple[str, int, int, float, int]]]:
+    """One rank's timings: per format, (shape, rows, kind, seconds, weight bytes it reads),
+    kind 0 for a decode step and 1 for a prefill. Every rank runs the same calls."""
+    from kiln.deploy.weights import store_in_format
+    from kiln.models.transformer import Transformer
+    from kiln.parallel.mesh import Mesh, rank_decoder
+    from kiln.parallel.pp import PipelineDecoder
+
+    mesh = Mesh.create(tp, pp)
+    out: dict[str, list[tuple[str, int, int, float, int]]] = {}
+    for fmt in formats:
+        rows_out = out.setdefault(fmt, [])
+        for name, shape in shapes:
+            torch.manual_seed(0)
+            built = rank_decoder(Transformer(shape).eval(), mesh, 1, shape.max_positions)
+            stage = built.stage
+            store_in_format(stage.model, fmt)  # after sharding, as a rank's load applies it
+            nbytes = stage.weight_bytes()
+            for rows in DECODE_ROWS:
+                dec = PipelineDecoder(stage, mesh.pipe_ranks(), rows, 64)
+                t = step_seconds(dec, rows, STEPS, REPEATS)
+                rows_out.append((name, rows, 0, t, nbytes))
+            for rows in PREFILL_ROWS:
+                batch, tokens = max(1, rows // 64), min(rows, 64)
+                dec = PipelineDecoder(stage, mesh.pipe_ranks(), batch, tokens + 4)
+                prompt = torch.zeros(batch, tokens, dtype=torch.long)
+                dec.prefill(prompt)  # the first call allocates
+                best = float("inf")
+                for _ in range(REPEATS):
+                    t0 = time.perf_counter()
+                    dec.prefill(prompt)
+                    best = min(best, time.perf_counter() - t0)
+                rows_out.append((name, rows, 1, best, nbytes))
+            del built, stage, dec
+    return out
+
+
+def measure_layouts(
+    ranks: int,
+    formats: Sequence[str],
+    gloo: Cost,
+    note: Callable[[str], None] = lambda _: None,
+    shapes: Shapes = SHAPES,
+) -> dict[str, dict[int, Cost]]:
+    """Every ``ranks``-rank layout's decode and prefill ``Cost`` per rows and format (a few
+    minutes: one launch per layout), fitted through the two ``shapes``."""
+    from kiln.parallel.launch import launch
+
+    params = {name: matmul_params(cfg) for name, cfg in shapes}
+    layers_of = {name: cfg.n_layers for name, cfg in shapes}
+    vocab_of = {name: cfg.vocab_size for name, cfg in shapes}
+    out: dict[str, dict[int, Cost]] = {}
+    for tp, pp in layouts_of(ranks):
+        if tp * pp < 2:
+            continue
+        note(f"timing {ranks} ranks as tp {tp} x pp {pp}")
+        args = (tp, pp, tuple(formats), shapes)
+        results = launch(_rank_timings, ranks, args, timeout_s=600.0)
+        for fmt in formats:
+            runs: Timings = {}
+            for i, (name, rows, kind, _, _) in enumerate(results[0][fmt]):
+                seconds = max(r[fmt][i][3] for r in results)  # the slowest rank
+                layers = layers_of[name]
+                batch = max(1, rows // 64) if kind else rows
+                # (never below half the timing: a noisy collective fit must not swamp it)
+                seconds = max(seconds - logits_broadcast_s(gloo, batch, vocab_of[name]),
+                              seconds / 2)  # fmt: skip
+                if kind == 0:  # bytes along the path: each stage's widest rank, in turn
+                    per_stage = [0] * pp
+                    for rank, r in enumerate(results):
+                        per_stage[rank // tp] = max(per_stage[rank // tp], r[fmt][i][4])
+                    amount, engine = float(sum(per_stage)), layout_engine(tp, pp, fmt)
+                else:
+                    blocks, head = params[name]
+                    amount = 2.0 * rows * (blocks / tp + head)
+                    engine = layout_engine(tp, pp, fmt, prefill=True)
+                runs.setdefault(engine, {}).setdefault(rows, []).append((layers, amount, seconds))
+            for engine, by_rows in runs.items():
+                out[engine] = {rows: fit(*points) for rows, points in by_rows.items()}
+    return out
+
+
+def logits_broadcast_s(gloo: Cost | None, batch: int, vocab: int) -> float:
+    """The last stage's fp32 logits (batch, vocab) broadcast to every rank."""
+    return gloo.seconds(batch * vocab * 4) if gloo is not None else 0.0
+
+
+def _collective_rank(
+    rank: int, world: int, sizes: tuple[int, ...], repeats: int
+) -> dict[int, float]:
+    """One rank's median all-reduce time per message size (bytes), back to back as a
+    decode step issues them (after a warm-up)."""
+    import torch.distributed as dist
+
+    out = {}
+    for nbytes in sizes:
+        buf = torch.zeros(nbytes // 4)
+        for _ in range(10):
+            dist.all_reduce(buf)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        out[nbytes] = statistics.median(times)
+    return out
+
+
+def measure_collective(world: int = 2, sizes: tuple[int, int] = (4096, 1 << 20)) -> Cost:
+    """Latency and bandwidth of a gloo all-reduce between ``world`` ranks on this host (the
+    slower rank's median at a small and a large message, ``fit`` through both). Broadcasts
+    and sends of a message cost at most as much, and the planner prices them so."""
+    from kiln.parallel.launch import launch
+
+    results = launch(_collective_rank, world, (sizes, 60), timeout_s=60.0)
+    t = [max(r[n] for r in results) for n in sizes]
+    return fit((1, sizes[0], t[0]), (1, sizes[1], t[1]))

@@ -1,0 +1,56 @@
+"""The planner's table of measured engine costs for this CPU, cached on disk.
+
+One JSON file per CPU (model name and ISA flags: a Zen 3 and a Zen 5 host are both "AMD
+EPYC") and thread count: the one-process engines (``kernel_rates.measure_rates``), the gloo
+collective, and, at a thread count that several ranks share the cores with, those ranks'
+layouts timed launched (``rank_rates``). ``kiln calibrate`` refreshes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+
+from kiln.core.cache import cache_dir
+from kiln.core.hardware import cpu_model
+from kiln.core.native import cpu_flags
+from kiln.deploy.kernel_rates import FORMATS, VERSION, Cost, measure_rates
+from kiln.deploy.rank_rates import measure_collective, measure_layouts
+
+
+def rates_path(threads: int) -> str:
+    key = hashlib.sha256(f"{cpu_model()}|{' '.join(cpu_flags())}".encode()).hexdigest()[:12]
+    return str(cache_dir("kernel-rates") / f"rates-v{VERSION}-{key}-{threads}t.json")
+
+
+def load_rates(
+    threads: int = 2, refresh: bool = False, note: Callable[[str], None] = lambda _: None
+) -> dict[str, dict[int, Cost]]:
+    """This CPU's table at ``threads`` threads (cached JSON), measured now when missing
+    (a minute or two; ``note`` hears what is being timed)."""
+    path = rates_path(threads)
+    if not refresh and os.path.exists(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+            return {
+                engine: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
+                for engine, by in raw.items()
+            }
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+            pass  # a stale or corrupt entry: measure again
+    rates = measure_rates(threads, note)
+    note("timing a gloo all-reduce between two ranks")
+    gloo = measure_collective(2)
+    rates["gloo"] = {2: gloo}
+    ranks = len(os.sched_getaffinity(0)) // threads  # the ranks that run at this thread count
+    if ranks >= 2:
+        rates.update(measure_layouts(ranks, FORMATS, gloo, note))
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}
+        json.dump(raw_out, f, indent=1)
+    os.replace(tmp, path)
+    return rates
