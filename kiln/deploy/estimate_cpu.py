@@ -19,8 +19,8 @@ plus weight bytes or FLOPs at a measured rate, at the thread count a rank has):
   fast on paper: an estimate of what it would cost with a core per rank.
 
 Prefill (the prompt) runs through the eager module (``prefill-<fmt>``, or the layout's
-``prefill-tp<T>-pp<P>-<fmt>``: the blocks' and the head's FLOPs, logits of every prompt row
-included, at the measured rate); a streamed plan also reads every offloaded block once more.
+``prefill-tp<T>-pp<P>-<fmt>``: the blocks' FLOPs and the head's for each sequence's last
+position, at the measured rate); a streamed plan also reads every offloaded block once more.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def prefill_ms(arch: Architecture, run: CpuRun, rates: Rates) -> float | None:
     rows = run.batch * run.prompt_len
     attn = 2 * 2 * arch.n_heads * arch.head_dim * run.prompt_len**2 / 2  # causal q.k and p.v
     flops_layer = 2 * rows * arch.params_per_layer + run.batch * attn
-    head_flops = 2 * rows * arch.hidden_size * arch.vocab_size  # every row's logits
+    head_flops = 2 * run.batch * arch.hidden_size * arch.vocab_size  # the last row's logits
     layers = sum(run.stages)
     layout = _layout_cost(rates, run, rows, prefill=True)
     if layout is not None:

@@ -19,7 +19,8 @@ and rows):
   tensor- / pipeline-parallel rank);
 * ``offload-<fmt>``: the eager module with its blocks streamed from a disk store
   (``kiln.llm.offload``), 1 and 4 rows;
-* ``prefill-<fmt>``: a prompt through the eager module, 64 and 256 rows, in GFLOP/s;
+* ``prefill-<fmt>``: a prompt through the eager module, 64 and 256 rows, in GFLOP/s (the
+  blocks' FLOPs for every row, the head's for each prompt's last position);
 * ``gloo``: a collective between two ranks of this host (all-reduce, broadcast, send),
   ``rate`` in GB/s and ``layer_s`` the per-message latency;
 * ``tp<T>-pp<P>-<fmt>`` and ``prefill-tp<T>-pp<P>-<fmt>``: the ranks of a layout sharing
@@ -107,6 +108,12 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
     return blocks, sum(p.numel() for p in model.lm_head.parameters())
 
 
+def prefill_flops(rows: int, blocks: int, head: int) -> float:
+    """FLOPs of a prefill of ``rows`` rows in 64-token prompts: every row through the
+    blocks, each prompt's last row through the head (all a generation needs)."""
+    return 2.0 * (rows * blocks + max(1, rows // 64) * head)
+
+
 def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
     """Best over ``repeats`` of the median of ``steps`` decode steps after a short prefill."""
     tok = torch.zeros(rows, dtype=torch.long)
@@ -161,13 +168,13 @@ def measure_rates(
     torch.set_num_threads(threads)
     out: dict[str, dict[int, Cost]] = {}
     shapes = (NARROW, WIDE)
-    flops_per_row = [2 * sum(matmul_params(s)) for s in shapes]
+    params = [matmul_params(s) for s in shapes]  # (blocks, head)
     try:
         for fmt in FORMATS:
             note(f"timing the {fmt} engines")
             runs: Timings = {}
             timed = partial(_record, runs)
-            for shape, flops in zip(shapes, flops_per_row, strict=True):
+            for shape, (blocks, head) in zip(shapes, params, strict=True):
                 model, layers = _model(shape, fmt), shape.n_layers
                 nbytes = weight_bytes_per_token(model)
                 for rows in DECODE_ROWS:
@@ -177,7 +184,11 @@ def measure_rates(
                     timed(f"eager-{fmt}", rows, layers, nbytes, eager)
                 for rows in PREFILL_ROWS:
                     timed(
-                        f"prefill-{fmt}", rows, layers, flops * rows, prefill_seconds(model, rows)
+                        f"prefill-{fmt}",
+                        rows,
+                        layers,
+                        prefill_flops(rows, blocks, head),
+                        prefill_seconds(model, rows),
                     )
                 with tempfile.TemporaryDirectory(prefix="kiln-rates-") as store:
                     offload_(model, Path(store), tier="disk")

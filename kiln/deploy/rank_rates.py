@@ -15,7 +15,7 @@ and a rate:
   step reads along its critical path (``step_bytes``: every stage in turn, one rank's shard
   of each, the whole head on the last);
 * ``prefill-tp<T>-pp<P>-<fmt>``: a 64-token prompt, one and four of them; ``amount`` is the
-  FLOPs along the same path.
+  FLOPs along the same path (the head's for each prompt's last position only).
 
 The last stage's logits are broadcast to every rank once per call; that message grows with
 the vocabulary (4096 here, 152k for Qwen2), so it is taken out of the timings with the
@@ -40,6 +40,7 @@ from kiln.deploy.kernel_rates import (
     Timings,
     fit,
     matmul_params,
+    prefill_flops,
     step_seconds,
 )
 from kiln.models.config import ModelConfig
@@ -137,7 +138,7 @@ def measure_layouts(
                     amount, engine = float(sum(per_stage)), layout_engine(tp, pp, fmt)
                 else:
                     blocks, head = params[name]
-                    amount = 2.0 * rows * (blocks / tp + head)
+                    amount = prefill_flops(rows, blocks // tp, head)
                     engine = layout_engine(tp, pp, fmt, prefill=True)
                 runs.setdefault(engine, {}).setdefault(rows, []).append((layers, amount, seconds))
             for engine, by_rows in runs.items():

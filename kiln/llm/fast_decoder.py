@@ -273,11 +273,11 @@ class FastDecoder:
 
     @torch.no_grad()
     def prefill(self, tokens: Tensor, start: int = 0) -> Tensor:
-        """tokens (B, T) at positions start.. -> logits (B, T, V), filling this decoder's
-        cache: by ``extend`` steps of up to ``max_chunk`` rows when B x T <=
-        ``STEP_PREFILL_MAX``, else by the eager model, whose 16-bit linear layers then
-        multiply in fp32 (``upcast``: 3x faster than bf16 matmuls on a CPU without bf16
-        instructions)."""
+        """tokens (B, T) at positions start.. -> logits, filling this decoder's cache: by
+        ``extend`` steps of up to ``max_chunk`` rows when B x T <= ``STEP_PREFILL_MAX``
+        (logits (B, T, V)), else by the eager model (the last position's (B, 1, V) only),
+        whose 16-bit linear layers then multiply in fp32 (``upcast``: 3x faster than bf16
+        matmuls on a CPU without bf16 instructions)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.batch:
             raise ValueError(f"tokens must be ({self.batch}, T), got {tuple(tokens.shape)}")
         n, c = tokens.shape[1], max(1, self.max_chunk // self.batch)  # positions a call
@@ -286,7 +286,7 @@ class FastDecoder:
                 [self.extend(tokens[:, i : i + c], start + i) for i in range(0, n, c)], 1
             )
         with fp32_linears(self.model):
-            return self.model(tokens, start, self.cache)
+            return self.model(tokens, start, self.cache, last_only=True)
 
     def step(self, tokens: Tensor, pos: int) -> Tensor:
         """tokens (B,) at position ``pos`` (the cache holds 0..pos-1) -> logits (B, V) fp32."""

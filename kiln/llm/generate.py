@@ -65,8 +65,8 @@ class EagerDecoder:
         self.model, self.cache = model, model.new_cache(batch, max_len)
 
     @torch.inference_mode()
-    def prefill(self, tokens: Tensor) -> Tensor:
-        return self.model(tokens, 0, self.cache)
+    def prefill(self, tokens: Tensor) -> Tensor:  # (B, T) -> the last position's (B, 1, V)
+        return self.model(tokens, 0, self.cache, last_only=True)
 
     @torch.inference_mode()
     def step(self, tokens: Tensor, pos: int) -> Tensor:

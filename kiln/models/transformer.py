@@ -228,8 +228,12 @@ class Transformer(nn.Module):
             y = torch.tanh(y / self.cfg.final_softcap) * self.cfg.final_softcap
         return y
 
-    def forward(self, tokens: Tensor, start: int, cache: KVCache) -> Tensor:
-        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, V), fp32."""
+    def forward(
+        self, tokens: Tensor, start: int, cache: KVCache, last_only: bool = False
+    ) -> Tensor:
+        """tokens (B, T) at positions start..start+T-1 -> logits (B, T, V), fp32;
+        ``last_only``: the last position's alone (B, 1, V), all a generation's prefill
+        needs (the head, a model's largest matmul, then runs on one row, not T)."""
         if start + tokens.shape[1] > cache.max_len:
             raise ValueError(
                 f"{start + tokens.shape[1]} tokens do not fit the cache ({cache.max_len})"
@@ -238,4 +242,4 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens, positions)
         for block in self.layers:
             x = block(x, positions, cache)
-        return self.logits(x)
+        return self.logits(x[:, -1:] if last_only else x)

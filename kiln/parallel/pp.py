@@ -124,12 +124,12 @@ class Stage(nn.Module):
 
     def forward(self, inp: Tensor, start: int, cache: KVCache) -> Tensor:
         """First stage: tokens (B, T); others: activations (B, T, C). Last stage returns
-        logits (B, T, V) fp32, the others activations (B, T, C)."""
+        the last position's logits (B, 1, V) fp32, the others activations (B, T, C)."""
         positions = torch.arange(start, start + inp.shape[1], device=inp.device)
         x = self.model.embed_tokens(inp, positions) if self.first else inp
         for block in self.model.layers:
             x = block(x, positions, cache)
-        return self.model.logits(x) if self.last else x
+        return self.model.logits(x[:, -1:]) if self.last else x  # the last position: (B, 1, V)
 
 
 def cache_slice(cache: KVCache, b0: int, b1: int) -> KVCache:

@@ -157,6 +157,6 @@ def test_a_layout_timed_launched_is_priced_by_its_own_engine() -> None:
     composite = estimate_cpu.decode_ms(arch, run, RATES)  # eager + gloo, as before
     assert composite is not None and composite < want * 1e3
     flops = 24 * (2 * 64 * arch.params_per_layer + 2 * 2 * arch.n_heads * arch.head_dim * 64**2 / 2)
-    flops += 2 * 64 * arch.hidden_size * arch.vocab_size
+    flops += 2 * arch.hidden_size * arch.vocab_size  # the head: the last position only
     ttft = Cost(50.0, 1e-3).seconds(flops, 24) + logits
     assert estimate_cpu.prefill_ms(arch, run, rates) == pytest.approx(ttft * 1e3)
