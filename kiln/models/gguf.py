@@ -1,10 +1,10 @@
 """GGUF files (llama.cpp's format) read through the ``gguf`` package's ``GGUFReader``.
 
-Metadata -> ``ModelConfig`` for the ``llama`` architecture (``llama.*`` keys; Mistral and
-SmolLM-style models are written as ``llama`` too); other architectures raise ``ConfigError``
-naming them. The reader maps the file (copy-on-write) for its header and tensor table;
-tensor data is read with explicit reads of just the rows asked for (``file_reads``), so a
-streaming load keeps no page of the mapping resident:
+Metadata -> ``ModelConfig`` for the architectures ``gguf_families`` maps (llama — which
+Mistral and SmolLM are written as — qwen2, qwen3, gemma2, gemma3, phi3, gpt2); others raise
+``ConfigError`` naming them. The reader maps the file (copy-on-write) for its header and
+tensor table; tensor data is read with explicit reads of just the rows asked for
+(``file_reads``), so a streaming load keeps no page of the mapping resident:
 
 * F32 / F16: taken as they are (converted to the requested dtype by the loader); those
   that need no reordering can also be zero-copy views of the mapping (``LazyTensor.view``).
@@ -17,10 +17,12 @@ streaming load keeps no page of the mapping resident:
   ``gguf.quants.dequantize``, a few MB of rows at a time into the output tensor (so the
   dequantizer's temporaries stay small next to a 100 MB embedding table).
 
-llama.cpp's converter permutes the rows of ``attn_q`` / ``attn_k`` within each head so its
-interleaved (GPT-J style) rotary works; kiln rotates halves (like transformers), so the
-permutation is undone here — per row, so packed rows are moved the same way; a range of
-rows is read out to whole heads, reordered, then cut.
+A fused tensor (GPT-2's and Phi-3's ``attn_qkv``, Phi-3's gate + up ``ffn_up``) becomes one
+entry per part, each reading its own range of rows. For llama, llama.cpp's converter
+permutes the rows of ``attn_q`` / ``attn_k`` within each head so its interleaved (GPT-J
+style) rotary works; kiln rotates halves (like transformers), so the permutation is undone
+here — per row, so packed rows are moved the same way; a range of rows is read out to whole
+heads, reordered, then cut. Gemma's norm weights, stored as ``w + 1``, are read as ``w``.
 """
 
 from __future__ import annotations
@@ -37,19 +39,13 @@ import torch
 from torch import Tensor
 
 from kiln.compress.modules import Int4Linear
+from kiln.models import gguf_families as families
 from kiln.models.config import ConfigError, ModelConfig
 from kiln.models.file_reads import read_bytes
 from kiln.models.readers import LazyTensor, LoadError
 
 Q = gguf.GGMLQuantizationType
-ARCHITECTURES = ("llama",)
-_LAYER = {
-    "attn_norm": "attn_norm", "attn_q": "attn.q", "attn_k": "attn.k", "attn_v": "attn.v",
-    "attn_output": "attn.o", "ffn_norm": "mlp_norm", "ffn_gate": "mlp.gate",
-    "ffn_up": "mlp.up", "ffn_down": "mlp.down",
-}  # fmt: skip
-_TOP = {"token_embd": "embed", "output_norm": "final_norm", "output": "lm_head"}
-_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")
+ARCHITECTURES = families.ARCHITECTURES
 _PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32
 _CHUNK_BYTES = 8 * 2**20  # fp32 bytes dequantized at a time
 
@@ -78,7 +74,8 @@ def _field(reader: gguf.GGUFReader, path: Path, key: str, default: Any = ...) ->
 
 
 def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
-    """``ModelConfig`` from the GGUF metadata (``general.architecture`` must be llama)."""
+    """``ModelConfig`` from the GGUF metadata (``general.architecture`` must be one of
+    ``ARCHITECTURES``; ``gguf_families`` maps each)."""
     arch = _field(reader, path, "general.architecture")
     if arch not in ARCHITECTURES:
         raise ConfigError(
@@ -88,51 +85,15 @@ def read_config(reader: gguf.GGUFReader, path: Path) -> ModelConfig:
     def key(name: str, default: Any = ...) -> Any:
         return _field(reader, path, f"{arch}.{name}", default)
 
-    if key("expert_count", 0):
-        raise ConfigError(
-            f"{path}: mixture-of-experts ({key('expert_count')} experts) is not supported"
-        )
-    hidden, heads = key("embedding_length"), key("attention.head_count")
-    head_dim = key("attention.key_length", hidden // heads)
-    if key("rope.dimension_count", head_dim) != head_dim:
-        raise ConfigError(
-            f"{path}: partial rotary ({key('rope.dimension_count')} of {head_dim} dims)"
-        )
-    scaling = key("rope.scaling.type", "none")
-    if scaling not in ("none", "linear"):
-        raise ConfigError(
-            f"{path}: rope scaling type {scaling!r} is not supported (kiln runs none and 'linear')"
-        )
     names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in names:
-        raise ConfigError(
-            f"{path}: per-frequency rope factors (rope_freqs, Llama 3 scaling) are not supported"
-        )
     embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     vocab = key("vocab_size", None) or (int(embed.shape[1]) if embed is not None else 0)
     eos = _field(reader, path, "tokenizer.ggml.eos_token_id", None)
     return ModelConfig(
-        family="llama", vocab_size=vocab, hidden_size=hidden, n_layers=key("block_count"),
-        n_heads=heads, n_kv_heads=key("attention.head_count_kv", heads), head_dim=head_dim,
-        intermediate_size=key("feed_forward_length"), max_positions=key("context_length"),
-        norm_eps=key("attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=key("rope.freq_base", 10000.0),
-        rope_scale=key("rope.scaling.factor", 1.0) if scaling == "linear" else 1.0,
-        qkv_bias="blk.0.attn_q.bias" in names, o_bias="blk.0.attn_output.bias" in names,
-        tie_embeddings="output.weight" not in names,
+        **families.family_config(arch, key, names, str(path)), vocab_size=vocab,
         bos_token_id=_field(reader, path, "tokenizer.ggml.bos_token_id", None),
         eos_token_ids=() if eos is None else (eos,),
     )  # fmt: skip
-
-
-def kiln_name(name: str) -> str | None:
-    """kiln's parameter name for the GGUF tensor ``name`` (None: nothing matches)."""
-    parts = name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER:
-        return f"layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP:
-        return f"{_TOP[parts[0]]}.{parts[1]}"
-    return None
 
 
 def unpermute_rows(x: Tensor, heads: int) -> Tensor:
@@ -219,20 +180,24 @@ def _cut_rows(value: Any, start: int, stop: int) -> Any:
     return value[start:stop].contiguous()
 
 
-def _lazy(t: Any, cfg: ModelConfig, path: Path, packed: bool) -> LazyTensor:
-    """How to read tensor ``t``: packed INT4 layer, or float; q/k weights and biases get
-    their rows reordered (the converter permutes both)."""
-    part = t.name.split(".")[-2]
-    shape = tuple(int(s) for s in reversed(t.shape))  # (N,) or (N, K)
+def _lazy(
+    t: Any, path: Path, packed: bool, rows: tuple[int, int] | None = None,
+    per_head: int | None = None, shift: float = 0.0,
+) -> LazyTensor:  # fmt: skip
+    """How to read tensor ``t``, or its rows ``rows`` (a part of a fused tensor): packed INT4
+    layer, or float. ``per_head``: the rows are permuted within heads of that many rows
+    (llama's q/k weights and biases: the converter permutes both); ``shift`` is subtracted
+    from the values (Gemma's norm weights)."""
+    full = tuple(int(s) for s in reversed(t.shape))  # (N,) or (N, K)
+    base, end = rows or (0, full[0])
+    shape = (end - base, *full[1:])
     origin = f"{t.name} ({t.tensor_type.name}) in {path.name}"
-    heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(part)
-    if heads is not None and shape[0] != heads * cfg.head_dim:
-        heads = None  # the shape check reports it; nothing to reorder
-    per_head = None if heads is None else cfg.head_dim
-    if packed and part in _LINEARS and t.tensor_type in _PACKABLE and len(shape) == 2:
+    origin += "" if rows is None else f" [rows {base}:{end}]"
+    linear = t.name.split(".")[-2] in families.LINEARS and len(shape) == 2
+    if packed and linear and t.tensor_type in _PACKABLE:
 
         def packed_rows(start: int, stop: int) -> Int4Linear:
-            raw = _stored_rows(path, t, start, stop)
+            raw = _stored_rows(path, t, base + start, base + stop)
             q, scale, offset = q4_to_int4(raw, t.tensor_type, stop - start, shape[1])
             return Int4Linear(q, scale, offset, group_size=32, bias=None)
 
@@ -243,27 +208,49 @@ def _lazy(t: Any, cfg: ModelConfig, path: Path, packed: bool) -> LazyTensor:
             return Int4Linear(q, scale, offset, group_size=32, bias=None)
 
         return LazyTensor(origin, shape, partial(_head_rows, packed_rows, per_head, reorder_layer))
-    float_rows = partial(_float_rows, path, t, shape)
+
+    def float_rows(start: int, stop: int) -> Tensor:
+        value = _float_rows(path, t, full, base + start, base + stop)
+        return value.float() - shift if shift else value
+
     lazy_rows = partial(_head_rows, float_rows, per_head, unpermute_rows)
-    if heads is None and t.tensor_type in (Q.F32, Q.F16):  # the stored tensor is the value
+    if per_head is None and not shift and t.tensor_type in (Q.F32, Q.F16):  # stored = value
         return LazyTensor(
-            origin, shape, lazy_rows, view=lambda: torch.from_numpy(t.data).reshape(shape)
-        )
+            origin, shape, lazy_rows,
+            view=lambda: torch.from_numpy(t.data).reshape(full)[base:end],
+        )  # fmt: skip
     return LazyTensor(origin, shape, lazy_rows)
 
 
 def read_tensors(
     reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, packed: bool
 ) -> dict[str, LazyTensor]:
-    """Every tensor of the file under kiln's names, not read yet."""
+    """Every tensor of the file under kiln's names, not read yet; a fused tensor (``attn_qkv``,
+    Phi-3's ``ffn_up``) gives one entry per part, each reading its own rows."""
     out: dict[str, LazyTensor] = {}
+    permuted = cfg.family in families.PERMUTED_QK
+    norm_shift = families.NORM_SHIFT.get(cfg.family, 0.0)
     for t in reader.tensors:
-        target = kiln_name(t.name)
-        if target is None:
-            raise LoadError(
-                f"{path}: unexpected tensor {t.name!r} (no llama parameter of kiln's model matches it)"
-            )
-        out[target] = _lazy(t, cfg, path, packed)
+        targets = families.kiln_names(cfg.family, t.name)
+        if targets is None:
+            raise LoadError(f"{path}: unexpected tensor {t.name!r} (no {cfg.family} parameter "
+                            "of kiln's model matches it)")  # fmt: skip
+        n = int(t.shape[-1])  # rows
+        if len(targets) > 1:
+            sizes = [families.part_rows(cfg, target) for target in targets]
+            if sum(sizes) != n:
+                raise LoadError(f"{path}: tensor {t.name} has {n} rows, expected "
+                                f"{' + '.join(map(str, sizes))} ({', '.join(targets)})")  # fmt: skip
+            start = 0
+            for target, size in zip(targets, sizes, strict=True):
+                out[target] = _lazy(t, path, packed, rows=(start, start + size))
+                start += size
+            continue
+        heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(t.name.split(".")[-2])
+        # A wrong row count is left to the shape check: nothing to reorder.
+        per_head = cfg.head_dim if permuted and heads and n == heads * cfg.head_dim else None
+        shift = norm_shift if t.name.endswith("norm.weight") else 0.0
+        out[targets[0]] = _lazy(t, path, packed, per_head=per_head, shift=shift)
     return out
 
 
