@@ -28,6 +28,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -45,7 +46,7 @@ from kiln.deploy.kernel_rates import (
 )
 from kiln.models.config import ModelConfig
 
-STEPS, REPEATS = 6, 2  # decode steps per timing, best of
+STEPS, REPEATS = 6, 3  # decode steps per timing, best of
 
 
 def layout_engine(tp: int, pp: int, fmt: str, prefill: bool = False) -> str:
@@ -107,25 +108,32 @@ def measure_layouts(
     gloo: Cost,
     note: Callable[[str], None] = lambda _: None,
     shapes: Shapes = SHAPES,
+    rounds: int = 2,
 ) -> dict[str, dict[int, Cost]]:
     """Every ``ranks``-rank layout's decode and prefill ``Cost`` per rows and format (a few
-    minutes: one launch per layout), fitted through the two ``shapes``."""
+    minutes: one launch per layout and round, the layouts in turn; each point keeps its
+    fastest round, as ``kernel_rates.measure_rates`` does), fitted through the two
+    ``shapes``."""
     from kiln.parallel.launch import launch
 
     params = {name: matmul_params(cfg) for name, cfg in shapes}
     layers_of = {name: cfg.n_layers for name, cfg in shapes}
     vocab_of = {name: cfg.vocab_size for name, cfg in shapes}
     out: dict[str, dict[int, Cost]] = {}
-    for tp, pp in layouts_of(ranks):
-        if tp * pp < 2:
-            continue
-        note(f"timing {ranks} ranks as tp {tp} x pp {pp}")
-        args = (tp, pp, tuple(formats), shapes)
-        results = launch(_rank_timings, ranks, args, timeout_s=600.0)
+    layouts = [(tp, pp) for tp, pp in layouts_of(ranks) if tp * pp >= 2]
+    launched: dict[tuple[int, int], list[list[Any]]] = {lay: [] for lay in layouts}
+    for r in range(rounds):
+        for tp, pp in layouts:
+            note(f"timing {ranks} ranks as tp {tp} x pp {pp} (round {r + 1} of {rounds})")
+            args = (tp, pp, tuple(formats), shapes)
+            launched[(tp, pp)].append(launch(_rank_timings, ranks, args, timeout_s=600.0))
+    for (tp, pp), rounds_results in launched.items():
+        results = rounds_results[0]
         for fmt in formats:
             runs: Timings = {}
             for i, (name, rows, kind, _, _) in enumerate(results[0][fmt]):
-                seconds = max(r[fmt][i][3] for r in results)  # the slowest rank
+                # the slowest rank, in the fastest round
+                seconds = min(max(r[fmt][i][3] for r in got) for got in rounds_results)
                 layers = layers_of[name]
                 batch = max(1, rows // 64) if kind else rows
                 # (never below half the timing: a noisy collective fit must not swamp it)

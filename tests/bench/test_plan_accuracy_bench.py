@@ -1,0 +1,38 @@
+"""kiln.bench.plan_accuracy's bookkeeping: plans executed in rounds, the fastest run kept,
+errors against it, the spread shown (execution itself is stubbed: the planner's own tests
+and tests/deploy execute plans)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kiln.bench import plan_accuracy as bench
+from kiln.deploy.estimate import NOTHING_MEASURED
+from kiln.deploy.execute import Measured
+
+
+def test_rounds_keep_the_fastest_run_and_report_the_spread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    times = iter([(50.0, 400.0, 3e9), (40.0, 500.0, 3.2e9), (45.0, 300.0, 3.1e9)])
+    calls: list[tuple[str, str]] = []
+
+    def fake_measure(path: str, layout: dict[str, Any], fmt: str, *_: int) -> Measured:
+        calls.append((path, fmt))
+        ms, ttft, peak = next(times)
+        return Measured(ms, ttft, 1e3 / ms, int(peak), "fast C++ decode step")
+
+    monkeypatch.setattr(bench, "checkpoint_of", lambda model: model)  # a shipped config
+    monkeypatch.setattr(bench, "measurements", lambda path, hw, note: NOTHING_MEASURED)
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    result = bench.run([bench.PlanSpec("qwen2-0.5b", "int8", 1)], 64, 8, rounds=3)
+    assert calls == [("qwen2-0.5b", "int8")] * 3
+    (row,) = result["rows"]
+    assert row["measured"] == {"ms_per_token": 40.0, "ttft_ms": 300.0, "peak_bytes": 3.2e9}
+    assert row["decode_spread"] == pytest.approx(50 / 40 - 1)
+    assert row["error"]["ms_per_token"] == pytest.approx(row["predicted"]["ms_per_token"] / 40 - 1)
+    assert len(row["runs"]) == 3
+    text = bench.markdown(result)
+    assert "executed 3 times" in text and "| 25% |" in text  # the spread column
