@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kiln.deploy import estimate_cpu, rates_table
+from kiln.deploy import estimate_cpu, kernel_rates, rates_table
 from kiln.deploy.architecture import read_architecture
 from kiln.deploy.kernel_rates import (
     Cost,
