@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import TreeSpec, tree_unflatten
 
+from kiln.compiler.exec.executors import index_error
 from kiln.compiler.exec.report import CompileReport
 from kiln.compiler.fusion.program import Program
 from kiln.compiler.ir.graph import Graph
@@ -44,7 +45,10 @@ class CompiledModule:
 
     def __call__(self, *args: Tensor) -> Any:
         flat = [a if a.is_contiguous() else a.contiguous() for a in args]
-        outs = self._run(flat)
+        try:  # (free in CPython 3.11 until something raises)
+            outs = self._run(flat)
+        except RuntimeError as err:
+            raise self._explained(err, flat) from None
         if self._single:
             return outs[0]
         return tree_unflatten(outs, self._out_spec)  # type: ignore[arg-type]
@@ -56,7 +60,18 @@ class CompiledModule:
 
     def run_flat(self, inputs: Sequence[Tensor]) -> list[Tensor]:
         """Flat tensors in, flat tensors out (the torch.compile backend's calling form)."""
-        return self._run([a if a.is_contiguous() else a.contiguous() for a in inputs])
+        flat = [a if a.is_contiguous() else a.contiguous() for a in inputs]
+        try:
+            return self._run(flat)
+        except RuntimeError as err:
+            raise self._explained(err, flat) from None
+
+    def _explained(self, err: RuntimeError, inputs: Sequence[Tensor]) -> Exception:
+        """What eager would raise for a native program's failure: an out-of-range gather
+        index (the program's error 2) as the IndexError naming the input; else ``err``."""
+        if self.program is not None and "kiln_entry returned 2" in str(err):
+            return index_error(self.program, inputs)
+        return err
 
     def __repr__(self) -> str:
         return f"CompiledModule({self.report.summary()})"

@@ -14,6 +14,7 @@ import torch
 
 from kiln.compiler.codegen.cpu.codegen import CppProgram
 from kiln.compiler.fusion.program import Program
+from kiln.compiler.ir.graph import OpClass
 from kiln.compiler.ir.semantics import eval_node
 
 Tensor = torch.Tensor
@@ -35,6 +36,38 @@ def check_inputs(prog: Program, inputs: Sequence[Tensor]) -> None:
                 f"{t.dtype} {list(t.shape)}; kiln programs have static shapes — compile again "
                 "for this shape"
             )
+
+
+def index_error(prog: Program, inputs: Sequence[Tensor]) -> IndexError:
+    """The error eager raises for an out-of-range embedding / gather index, naming the
+    program input that holds it (followed back through reshapes and views) and the value;
+    an index computed inside the program is named by its node."""
+    g = prog.graph
+    for node in g.nodes:
+        if node.op != "index_select":
+            continue
+        size = g.meta(node.inputs[0]).shape[node.attrs["dim"]]
+        root = node.inputs[1]
+        while root not in g.inputs:
+            p = g.producer(root)
+            if p is None or p.cls != OpClass.LAYOUT or len(p.inputs) != 1:
+                break
+            root = p.inputs[0]
+        if root not in g.inputs:
+            continue
+        i = g.inputs.index(root)
+        t = inputs[i]
+        bad = t[(t < -size) | (t >= size)]
+        if bad.numel():
+            return IndexError(
+                f"index out of range: input {i} ({root}) holds {int(bad[0])}, but the table "
+                f"it indexes ({node.name}, an embedding lookup or gather) has {size} rows "
+                f"(valid indices: {-size}..{size - 1})"
+            )
+    selects = ", ".join(n.name for n in g.nodes if n.op == "index_select")
+    return IndexError(
+        f"index out of range in a gather the program computes its index for ({selects})"
+    )
 
 
 class ReferenceExecutor:
@@ -93,4 +126,9 @@ class NativeExecutor:
         )
 
     def __call__(self, inputs: Sequence[Tensor]) -> list[Tensor]:
-        return self.native.run(list(inputs))
+        try:
+            return self.native.run(list(inputs))
+        except RuntimeError as err:
+            if "kiln_entry returned 2" in str(err):  # a gather's index out of range
+                raise index_error(self.prog, inputs) from None
+            raise

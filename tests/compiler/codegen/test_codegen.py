@@ -214,7 +214,7 @@ def test_index_select_rows_and_columns(dim: int) -> None:
     compiled = compile_graph(g)
     want = x_t.index_select(dim, i_t % x_t.shape[dim]).exp()
     assert_close_to_reference(compiled.run_flat([x_t, i_t])[0], want, rtol_to_max=1e-6)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(IndexError, match="input 1 .* holds 99"):  # as eager raises
         compiled.run_flat([x_t, torch.tensor([0, 1, 99, 2])])
 
 
@@ -234,6 +234,15 @@ def test_embedding_model_is_fully_native() -> None:
     compiled = kiln.compile(model, (ids,))
     assert not compiled.report.fallbacks, compiled.report.summary()
     assert_close_to_reference(compiled(ids), model(ids), rtol_to_max=1e-6)
+    bad = ids.clone()
+    bad[1, 2] = 50  # one past the table, as a user's tokenizer might produce
+    with pytest.raises(IndexError):
+        model(bad)  # what eager raises
+    with pytest.raises(IndexError, match=r"input 0 \(ids\) holds 50.*50 rows.*-50\.\.49"):
+        compiled(bad)
+    bad[1, 2] = -51
+    with pytest.raises(IndexError, match="holds -51"):
+        compiled(bad)
 
 
 def test_depthwise_separable_conv_chain_matches_eager() -> None:
