@@ -11,7 +11,7 @@ import torch
 
 from kiln.compiler.capture import CaptureResult, capture, capture_cache
 from kiln.compiler.codegen.cpu import build
-from kiln.compiler.codegen.cpu.codegen import CppProgram, generate
+from kiln.compiler.codegen.cpu.codegen import CppProgram, Unsupported, generate
 from kiln.compiler.codegen.cpu.pack import nr as panel_width
 from kiln.compiler.exec.compiled import CompiledModule
 from kiln.compiler.exec.executors import NativeExecutor, ReferenceExecutor
@@ -176,7 +176,15 @@ def _executor(
     if opts.executor == "reference":
         return ReferenceExecutor(prog), None
     t0 = time.perf_counter()
-    cpp = generate(prog, panel_width(build.isa()))
+    try:
+        cpp = generate(prog, panel_width(build.isa()))
+    except Unsupported as why:  # e.g. a half-precision output: no native program at all
+        report.executor = "reference"
+        report.fallbacks.append(Fallback("program", (
+            f"no native program ({why}; kiln's generated C++ holds float32 and bool tensors): "
+            "every kernel runs as ATen calls, verified at its dtype's tolerance"
+        )))  # fmt: skip
+        return ReferenceExecutor(prog), None
     times["codegen"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     runtime = build.load_runtime()

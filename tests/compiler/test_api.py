@@ -10,6 +10,7 @@ import torch
 
 import kiln
 from kiln.compiler.codegen.cpu import build
+from kiln.core.compare import RTOL_TO_MAX
 from tests.support.compare import assert_close_to_reference
 
 
@@ -140,3 +141,22 @@ def test_measured_costs_are_timed_and_cached(cache: Path) -> None:
     assert compiled.report.solver is not None and compiled.report.solver.objective_us > 0
     x_t = torch.randn(16, 64)
     assert_close_to_reference(compiled.run_flat([x_t])[0], -x_t.exp(), rtol_to_max=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_precision_model_compiles_runs_and_says_how(dtype: torch.dtype) -> None:
+    """kiln's C++ holds float32 / bool tensors: a 16-bit model runs its kernels through
+    ATen, says so in the report, and is verified at its own dtype's tolerance."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 32), torch.nn.LayerNorm(32)
+    ).eval().to(dtype)  # fmt: skip
+    x = torch.randn(8, 64, dtype=dtype)
+    compiled = kiln.compile(model, (x,))
+    assert compiled.report.executor == "reference"
+    assert any(f.op == "program" and "no native program" in f.reason
+               for f in compiled.report.fallbacks)  # fmt: skip
+    assert compiled.report.verification.startswith("ok"), compiled.report.verification
+    with torch.no_grad():
+        # kiln's bound for the dtype: the decomposed norm rounds at each 16-bit primitive
+        assert_close_to_reference(compiled(x), model(x), rtol_to_max=RTOL_TO_MAX[dtype])

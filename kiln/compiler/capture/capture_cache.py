@@ -48,11 +48,10 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]
             h.update(Path(f).read_bytes())
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         h.update(f"{name}{tuple(t.shape)}{t.dtype}".encode())
-        h.update(
-            t.detach().contiguous().cpu().numpy().tobytes()
-            if t.dtype != torch.bfloat16
-            else t.float().numpy().tobytes()
-        )
+        data = t.detach().contiguous().cpu()
+        if data.dtype == torch.bfloat16:  # numpy has no bf16: hash its bits
+            data = data.view(torch.int16)
+        h.update(data.numpy().tobytes())
     for t in example_inputs:
         h.update(
             f"in{tuple(t.shape)}{t.dtype}".encode()
