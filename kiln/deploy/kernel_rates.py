@@ -111,7 +111,7 @@ def matmul_params(cfg: ModelConfig) -> tuple[int, int]:
 def prefill_flops(rows: int, blocks: int, head: int) -> float:
     """FLOPs of a prefill of ``rows`` rows in 64-token prompts: every row through the
     blocks, each prompt's last row through the head (all a generation needs)."""
-    return 2.0 * (rows * blocks + max(1, rows // 64) * head)
+    return 2.0 * (rows * blocks + prefill_shape(rows)[0] * head)
 
 
 def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
@@ -134,14 +134,25 @@ def prefill_seconds(model: Transformer, rows: int, repeats: int = 3) -> float:
     the engine ``kiln generate`` prefills with, after one untimed run."""
     from kiln.deploy.generate_job import GenerateRequest, choose_decoder
 
-    batch, tokens = max(1, rows // 64), min(rows, 64)
+    batch, tokens = prefill_shape(rows)
     dec, _ = choose_decoder(model, GenerateRequest(checkpoint="", prompt=""), batch, tokens + 4)
-    prompt = torch.zeros(batch, tokens, dtype=torch.long)
-    dec.prefill(prompt)
+    return decoder_prefill_seconds(dec, rows, repeats)
+
+
+def prefill_shape(rows: int) -> tuple[int, int]:
+    """(prompts, tokens each) of a calibration prefill of ``rows`` rows: 64-token prompts."""
+    return max(1, rows // 64), min(rows, 64)
+
+
+def decoder_prefill_seconds(decoder: Decoder, rows: int, repeats: int) -> float:
+    """Best time of ``decoder``'s prefill of ``rows`` rows (``prefill_shape``; the decoder
+    is made for that batch) over ``repeats``, after one untimed call (it allocates)."""
+    prompt = torch.zeros(*prefill_shape(rows), dtype=torch.long)
+    decoder.prefill(prompt)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
-        dec.prefill(prompt)
+        decoder.prefill(prompt)
         best = min(best, time.perf_counter() - t0)
     return best
 

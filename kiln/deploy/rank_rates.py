@@ -12,8 +12,8 @@ shard) in the plan's format, and decodes — on the same two shapes as the one-p
 and a rate:
 
 * ``tp<T>-pp<P>-<fmt>``: a decode step, 1 and 4 rows; ``amount`` is the bytes of weights the
-  step reads along its critical path (``step_bytes``: every stage in turn, one rank's shard
-  of each, the whole head on the last);
+  step reads along its critical path (every stage in turn, one rank's shard of each, the
+  whole head on the last; ``estimate_cpu.decode_ms`` prices the same path);
 * ``prefill-tp<T>-pp<P>-<fmt>``: a 64-token prompt, one and four of them; ``amount`` is the
   FLOPs along the same path (the head's for each prompt's last position only).
 
@@ -39,9 +39,11 @@ from kiln.deploy.kernel_rates import (
     WIDE,
     Cost,
     Timings,
+    decoder_prefill_seconds,
     fit,
     matmul_params,
     prefill_flops,
+    prefill_shape,
     step_seconds,
 )
 from kiln.models.config import ModelConfig
@@ -88,15 +90,9 @@ def _rank_timings(
                 t = step_seconds(dec, rows, STEPS, REPEATS)
                 rows_out.append((name, rows, 0, t, nbytes))
             for rows in PREFILL_ROWS:
-                batch, tokens = max(1, rows // 64), min(rows, 64)
+                batch, tokens = prefill_shape(rows)
                 dec = PipelineDecoder(stage, mesh.pipe_ranks(), batch, tokens + 4)
-                prompt = torch.zeros(batch, tokens, dtype=torch.long)
-                dec.prefill(prompt)  # the first call allocates
-                best = float("inf")
-                for _ in range(REPEATS):
-                    t0 = time.perf_counter()
-                    dec.prefill(prompt)
-                    best = min(best, time.perf_counter() - t0)
+                best = decoder_prefill_seconds(dec, rows, REPEATS)
                 rows_out.append((name, rows, 1, best, nbytes))
             del built, stage, dec
     return out
@@ -135,7 +131,7 @@ def measure_layouts(
                 # the slowest rank, in the fastest round
                 seconds = min(max(r[fmt][i][3] for r in got) for got in rounds_results)
                 layers = layers_of[name]
-                batch = max(1, rows // 64) if kind else rows
+                batch = prefill_shape(rows)[0] if kind else rows
                 # (never below half the timing: a noisy collective fit must not swamp it)
                 seconds = max(seconds - logits_broadcast_s(gloo, batch, vocab_of[name]),
                               seconds / 2)  # fmt: skip
