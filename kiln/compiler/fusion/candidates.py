@@ -34,7 +34,24 @@ TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "single")
 BOOL_OPS = frozenset(
     {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
 )
-_FUSIBLE_DTYPES = (torch.float32, torch.bool)
+CHAIN_MAX_WIDTH = 256  # widest GEMM-chain intermediate a GPU kernel keeps on chip
+
+
+@dataclass(frozen=True)
+class FusionTarget:
+    """What a backend's templates can hold: the dtypes its kernels load and store, and
+    whether it fuses chains of GEMMs (``chain``: GEMM -> epilogue -> GEMM ..., the
+    intermediates kept on chip)."""
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    chains: bool = False
+
+
+CPU_TARGET = FusionTarget("cpu", (torch.float32, torch.bool))
+GPU_TARGET = FusionTarget(
+    "gpu", (torch.float32, torch.float16, torch.bfloat16, torch.bool), chains=True
+)
 
 
 @dataclass(frozen=True)
@@ -48,16 +65,19 @@ class Candidate:
 
 
 # -- per-node facts ------------------------------------------------------------
-def _node_kind(graph: Graph, node: Node) -> str:
+def _node_kind(graph: Graph, node: Node, dtypes: tuple[torch.dtype, ...]) -> str:
     """'pw', 'red', 'mm', 'conv' for nodes a native template may hold, else 'other'.
 
-    Native templates compute in float32 (bool only from comparison/logical ops and casts).
+    Native templates compute in float (bool only from comparison/logical ops and casts),
+    on values of the target's ``dtypes``.
     """
     if node.cls == OpClass.LAYOUT:
         return "view" if node.op in LAYOUT_VIEWS else "other"
     out = graph.meta(node.output).dtype
-    out_ok = out == torch.float32 or (out == torch.bool and node.op in BOOL_OPS | {"cast"})
-    ins_ok = all(graph.meta(v).dtype in _FUSIBLE_DTYPES for v in node.inputs)
+    out_ok = (out in dtypes and out.is_floating_point) or (
+        out == torch.bool and node.op in BOOL_OPS | {"cast"}
+    )
+    ins_ok = all(graph.meta(v).dtype in dtypes for v in node.inputs)
     if not (out_ok and ins_ok):
         return "other"
     if node.cls == OpClass.POINTWISE:
@@ -75,10 +95,11 @@ class TemplateRules:
     ``template(mask)`` decides legality exactly; ``extendable(hull)`` checks only the
     rules no superset can repair, to prune enumeration and greedy merging."""
 
-    def __init__(self, index: GraphIndex) -> None:
+    def __init__(self, index: GraphIndex, target: FusionTarget = CPU_TARGET) -> None:
         self.ix = index
+        self.target = target
         g = index.graph
-        self.kind = [_node_kind(g, n) for n in index.nodes]
+        self.kind = [_node_kind(g, n, target.dtypes) for n in index.nodes]
         self.shape = [g.meta(n.output).shape for n in index.nodes]
         self.blocked = 0  # nodes that never share a kernel
         self.heavy = 0  # mm/bmm/conv: at most one per kernel
@@ -136,6 +157,8 @@ class TemplateRules:
             return {"pw": "pointwise", "red": "reduction", "mm": "gemm", "conv": "conv"}.get(
                 k, "single"
             )
+        if self.target.chains and (mask & self.heavy).bit_count() > 1:
+            return "chain" if self._chain_ok(mask) else None
         if not self.extendable(mask) or not ix.is_convex(mask) or not self._connected(mask):
             return None
         by_kind: dict[str, list[int]] = {"pw": [], "red": [], "mm": [], "conv": []}
@@ -168,6 +191,39 @@ class TemplateRules:
         """One mm/bmm; every other node is an epilogue of its output shape fed by it."""
         reach = self._reach(1 << g, mask, self.ix.succ)
         return reach == mask and all(self.shape[i] == self.shape[g] for i in members(mask))
+
+    def _chain_ok(self, mask: int) -> bool:
+        """GEMM chain: mm nodes only (no bmm/conv/reduction), each later mm's left operand
+        computed by the previous stage and its right operand read from outside; every
+        other node a pointwise epilogue of its stage's output shape; widths on chip."""
+        if not self.ix.is_convex(mask) or not self._connected(mask):
+            return False
+        ix = self.ix
+        stage: dict[str, int] = {}  # value computed in the chain -> its stage
+        shapes: list[tuple[int, ...]] = []  # stage -> its mm's output shape
+        for i in members(mask):  # topological order
+            node, kind, shape = ix.nodes[i], self.kind[i], self.shape[i]
+            if ix.view_src[i] & mask:  # reads a chain value through a view
+                return False
+            if kind == "mm":
+                a, b = node.inputs
+                s = len(shapes)
+                if node.op != "mm" or shape[1] > CHAIN_MAX_WIDTH:
+                    return False
+                if shapes and shape[0] != shapes[0][0]:
+                    return False
+                if stage.get(a, -1) != s - 1 or b in stage:
+                    return False
+                stage[node.output] = s
+                shapes.append(shape)
+            elif kind == "pw":
+                own = [stage[v] for v in node.inputs if v in stage]
+                if not own or shape != shapes[max(own)]:
+                    return False
+                stage[node.output] = max(own)
+            else:
+                return False
+        return len(shapes) >= 2
 
     def _conv_ok(self, mask: int, c: int, eps: list[int]) -> bool:
         """conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)]
@@ -262,20 +318,26 @@ def build_candidate(index: GraphIndex, mask: int, template: str) -> Candidate:
 
 
 def legal_template(
-    graph: Graph, nodes: Iterable[str], index: GraphIndex | None = None
+    graph: Graph,
+    nodes: Iterable[str],
+    index: GraphIndex | None = None,
+    target: FusionTarget = CPU_TARGET,
 ) -> str | None:
     """The template that may run ``nodes`` as one kernel, or None if none may."""
     ix = index or GraphIndex(graph)
-    return TemplateRules(ix).template(ix.mask(nodes))
+    return TemplateRules(ix, target).template(ix.mask(nodes))
 
 
 def make_candidate(
-    graph: Graph, nodes: Iterable[str], index: GraphIndex | None = None
+    graph: Graph,
+    nodes: Iterable[str],
+    index: GraphIndex | None = None,
+    target: FusionTarget = CPU_TARGET,
 ) -> Candidate:
     """The candidate kernel for a node set; raises ValueError if no template is legal."""
     ix = index or GraphIndex(graph)
     mask = ix.mask(nodes)
-    template = TemplateRules(ix).template(mask)
+    template = TemplateRules(ix, target).template(mask)
     if template is None:
         raise ValueError(f"no legal kernel template for nodes {sorted(ix.names(mask))}")
     return build_candidate(ix, mask, template)
@@ -286,6 +348,7 @@ def enumerate_candidates(
     max_nodes: int = 12,
     max_sets_per_seed: int = 128,
     index: GraphIndex | None = None,
+    target: FusionTarget = CPU_TARGET,
 ) -> list[Candidate]:
     """All legal candidate kernels of up to ``max_nodes`` live non-view nodes.
 
@@ -294,7 +357,7 @@ def enumerate_candidates(
     first); hitting it is logged, and only costs fusion opportunities.
     """
     ix = index or GraphIndex(graph)
-    rules = TemplateRules(ix)
+    rules = TemplateRules(ix, target)
     out: list[Candidate] = []
     for seed in members(ix.fusible):
         seed_bit = 1 << seed

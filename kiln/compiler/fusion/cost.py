@@ -170,19 +170,20 @@ def structure_key(candidate: Candidate, graph: Graph, profile_name: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-class CostModel:
-    """Costs of candidates on one device: the roofline ``estimate``, or, when a
-    ``measure(candidate) -> µs`` callable is given, measurements cached on disk in a
-    JSON file keyed by ``structure_key`` (default ``<cache dir>/measured_costs.json``).
+class CostModelBase:
+    """What every device's cost model shares: ``cost``/``costs`` from the subclass's
+    ``estimate``, or, when a ``measure(candidate) -> µs`` callable is given, measurements
+    cached on disk in a JSON file keyed by ``structure_key`` (default
+    ``<cache dir>/measured_costs.json``); and the lookup of the graph last asked about.
     """
 
     def __init__(
         self,
-        profile: HardwareProfile,
+        profile_name: str,
         measure: Callable[[Candidate], float] | None = None,
         cache_path: Path | None = None,
     ) -> None:
-        self.profile = profile
+        self.profile_name = profile_name
         self.measure = measure
         self.cache_path = cache_path or cache_dir() / "measured_costs.json"
         self._measured: dict[str, float] | None = None
@@ -195,14 +196,14 @@ class CostModel:
         return self._lookup
 
     def estimate(self, candidate: Candidate, graph: Graph) -> float:
-        """Roofline estimate (µs)."""
-        return estimate(candidate, graph, self.profile, self.lookup(graph))
+        """The device model's estimate (µs)."""
+        raise NotImplementedError
 
     def cost(self, candidate: Candidate, graph: Graph) -> float:
         """Measured cost if a ``measure`` callable was given (cached), else the estimate."""
         if self.measure is None:
             return self.estimate(candidate, graph)
-        key = structure_key(candidate, graph, self.profile.name)
+        key = structure_key(candidate, graph, self.profile_name)
         table = self._table()
         if key not in table:
             table[key] = float(self.measure(candidate))
@@ -233,3 +234,21 @@ class CostModel:
         tmp = self.cache_path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(data, sort_keys=True), encoding="utf-8")
         tmp.replace(self.cache_path)
+
+
+class CostModel(CostModelBase):
+    """Costs of candidates on one device: the roofline ``estimate``, or cached
+    measurements (see ``CostModelBase``)."""
+
+    def __init__(
+        self,
+        profile: HardwareProfile,
+        measure: Callable[[Candidate], float] | None = None,
+        cache_path: Path | None = None,
+    ) -> None:
+        super().__init__(profile.name, measure, cache_path)
+        self.profile = profile
+
+    def estimate(self, candidate: Candidate, graph: Graph) -> float:
+        """Roofline estimate (µs)."""
+        return estimate(candidate, graph, self.profile, self.lookup(graph))

@@ -17,7 +17,13 @@ import time
 from collections.abc import Callable, Mapping
 
 from kiln.compiler.fusion.aliases import GraphIndex, members
-from kiln.compiler.fusion.candidates import Candidate, TemplateRules, build_candidate
+from kiln.compiler.fusion.candidates import (
+    CPU_TARGET,
+    Candidate,
+    FusionTarget,
+    TemplateRules,
+    build_candidate,
+)
 from kiln.compiler.fusion.schedule import Orchestration, schedule_order
 from kiln.compiler.ir.graph import Graph
 
@@ -68,12 +74,14 @@ class _Partition:
         del self.version[b]
 
 
-def greedy_fusion(graph: Graph, costs: CostFn, max_nodes: int = 16) -> Orchestration:
+def greedy_fusion(
+    graph: Graph, costs: CostFn, max_nodes: int = 16, target: FusionTarget = CPU_TARGET
+) -> Orchestration:
     """Greedy pairwise fusion under ``costs`` (a mapping from candidates to µs, e.g. the
     BLP's, or a callable). With a mapping, merges outside it are not considered."""
     t0 = time.perf_counter()
     ix = GraphIndex(graph)
-    rules = TemplateRules(ix)
+    rules = TemplateRules(ix, target)
     part = _Partition(ix)
     evaluated = 0
 

@@ -45,7 +45,7 @@ from kiln.compiler.fusion.aliases import (
     required_storage,
     split_regions,
 )
-from kiln.compiler.fusion.candidates import Candidate
+from kiln.compiler.fusion.candidates import CPU_TARGET, Candidate, FusionTarget
 from kiln.compiler.fusion.greedy import greedy_fusion
 from kiln.compiler.fusion.schedule import Orchestration, cost_list, schedule_order
 from kiln.compiler.ir.graph import Graph
@@ -197,6 +197,7 @@ def orchestrate(
     mip_rel_gap: float = 0.0,
     max_cuts: int = 1000,
     max_region_candidates: int = 500,
+    target: FusionTarget = CPU_TARGET,
 ) -> Orchestration:
     """Choose the cheapest deadlock-free set of candidate kernels (see module docstring).
 
@@ -253,7 +254,7 @@ def orchestrate(
     )
     if result.status == "optimal":
         return result
-    return _no_worse_than_greedy(graph, cands, cost, result, t0)
+    return _no_worse_than_greedy(graph, cands, cost, result, t0, target)
 
 
 def _no_worse_than_greedy(
@@ -262,12 +263,13 @@ def _no_worse_than_greedy(
     cost: Sequence[float],
     result: Orchestration,
     t0: float,
+    target: FusionTarget,
 ) -> Orchestration:
     """When the BLP was cut short (time limit, dropped candidates), return greedy
     fusion over the same candidates if that is cheaper: never worse than the baseline."""
     size = max(len(c.nodes) for c in cands)
     try:
-        greedy = greedy_fusion(graph, dict(zip(cands, cost)), max_nodes=size)
+        greedy = greedy_fusion(graph, dict(zip(cands, cost)), max_nodes=size, target=target)
     except ValueError:  # candidates not from enumerate_candidates: no greedy baseline
         return replace(result, solve_time=time.perf_counter() - t0)
     if greedy.objective >= result.objective:

@@ -13,7 +13,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kiln.compiler.fusion.aliases import GraphIndex
-from kiln.compiler.fusion.candidates import Candidate, TemplateRules, kernel_io
+from kiln.compiler.fusion.candidates import (
+    CPU_TARGET,
+    Candidate,
+    FusionTarget,
+    TemplateRules,
+    kernel_io,
+)
 from kiln.compiler.ir.graph import Graph
 
 
@@ -105,11 +111,13 @@ def schedule_kernels(graph: Graph, kernels: Sequence[Candidate]) -> list[Candida
     return [kernels[k] for k in order]
 
 
-def check_program(graph: Graph, kernels: Sequence[Candidate]) -> None:
+def check_program(
+    graph: Graph, kernels: Sequence[Candidate], target: FusionTarget = CPU_TARGET
+) -> None:
     """Raise ValueError unless ``kernels``, run in this order, are each template-legal
     with the right in/out sets, read only values stored earlier, and store every output."""
     ix = GraphIndex(graph)
-    rules = TemplateRules(ix)
+    rules = TemplateRules(ix, target)
     avail: set[str] = set()
     for c in kernels:
         mask = ix.mask(c.nodes)
