@@ -2,24 +2,36 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
 
-from kiln.compiler.capture import CaptureResult, capture, capture_cache
+from kiln.compiler.capture import CaptureResult, capture, capture_cache, fallback_report
+from kiln.compiler.capture.passes import for_cpu_backend
 from kiln.compiler.codegen.cpu import build
 from kiln.compiler.codegen.cpu.codegen import CppProgram, Unsupported, generate
 from kiln.compiler.codegen.cpu.pack import nr as panel_width
+from kiln.compiler.exec import gpu_backend
 from kiln.compiler.exec.compiled import CompiledModule
 from kiln.compiler.exec.executors import NativeExecutor, ReferenceExecutor
 from kiln.compiler.exec.measure import measurer
 from kiln.compiler.exec.report import CompileReport, Fallback, KernelReport, SolverReport
 from kiln.compiler.exec.verify import compare_all
-from kiln.compiler.fusion.candidates import Candidate, enumerate_candidates
-from kiln.compiler.fusion.cost import CostModel
+from kiln.compiler.fusion.attention import attention_candidates
+from kiln.compiler.fusion.candidates import (
+    CPU_TARGET,
+    GPU_TARGET,
+    Candidate,
+    FusionTarget,
+    enumerate_candidates,
+)
+from kiln.compiler.fusion.chains import chain_candidates
+from kiln.compiler.fusion.cost import CostModel, CostModelBase
+from kiln.compiler.fusion.gpu_cost import GpuCostModel
 from kiln.compiler.fusion.greedy import greedy_fusion
 from kiln.compiler.fusion.orchestrate import orchestrate
 from kiln.compiler.fusion.program import Kernel, Program, build_program, is_extern
@@ -27,6 +39,7 @@ from kiln.compiler.fusion.schedule import Orchestration
 from kiln.compiler.ir.graph import Graph
 from kiln.core.cache import cache_dir
 from kiln.core.calibrate import load_profile
+from kiln.core.gpu_profile import gpu_profile, load_gpu_profile
 
 Tensor = torch.Tensor
 
@@ -46,6 +59,11 @@ class CompileOptions:
     max_kernel_nodes: int = 16  # candidate size bound (keeps enumeration polynomial)
     measure: bool = False  # time candidates on this machine instead of the roofline model
     cache: bool = True  # reuse a cached capture of the same model code, weights and shapes
+    # cpp: one C++ program (CPU); triton: Triton kernels + one CUDA graph (GPU, or the CPU
+    # under TRITON_INTERPRET=1); auto: triton when the example inputs are on a GPU
+    backend: Literal["auto", "cpp", "triton"] = "auto"
+    cuda_graphs: bool = True  # triton on a GPU: replay the program as one CUDA graph
+    device: str = "cpu"  # where the program runs (set from the example inputs)
 
     def __post_init__(self) -> None:
         if self.on_mismatch not in ("raise", "eager"):
@@ -56,6 +74,18 @@ class CompileOptions:
             raise ValueError(f"solver must be 'blp' or 'greedy', not {self.solver!r}")
         if self.max_kernel_nodes < 1:
             raise ValueError("max_kernel_nodes must be >= 1")
+        if self.backend not in ("auto", "cpp", "triton"):
+            raise ValueError(f"backend must be 'auto', 'cpp' or 'triton', not {self.backend!r}")
+
+    @property
+    def target(self) -> FusionTarget:
+        return GPU_TARGET if self.resolved_backend == "triton" else CPU_TARGET
+
+    @property
+    def resolved_backend(self) -> str:
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if torch.device(self.device).type == "cuda" else "cpp"
 
 
 def compile(
@@ -69,15 +99,25 @@ def compile(
     max_kernel_nodes: int = 16,
     measure: bool = False,
     cache: bool = True,
+    backend: Literal["auto", "cpp", "triton"] = "auto",
+    cuda_graphs: bool = True,
 ) -> CompiledModule:
     """Compile ``model`` for the shapes of ``example_inputs``.
 
-    Returns a callable with the model's signature. Raises ``VerificationError`` if the
-    result differs from eager PyTorch (or falls back to eager with a warning when
+    The program runs where the example inputs are: on a CUDA device as Triton kernels
+    replayed in one CUDA graph, on the CPU as one generated C++ program (``backend``
+    overrides; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``). Returns a
+    callable with the model's signature. Raises ``VerificationError`` if the result
+    differs from eager PyTorch (or falls back to eager with a warning when
     ``on_mismatch="eager"``).
     """
-    opts = CompileOptions(verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache)
-    return compile_with(model, tuple(example_inputs), opts)
+    inputs = tuple(example_inputs)
+    device = next((str(t.device) for t in inputs if t.device.type == "cuda"), "cpu")
+    opts = CompileOptions(
+        verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache,
+        backend, cuda_graphs, device,
+    )  # fmt: skip
+    return compile_with(model, inputs, opts)
 
 
 def compile_with(
@@ -86,9 +126,11 @@ def compile_with(
     t0 = time.perf_counter()
     cap = _capture(model, example_inputs, opts.cache)
     capture_s = time.perf_counter() - t0
-    compiled = compile_graph(cap.graph, opts, name=type(model).__name__)
+    graph = for_cpu_backend(cap.graph) if opts.resolved_backend == "cpp" else cap.graph
+    compiled = compile_graph(graph, opts, name=type(model).__name__)
     compiled.report.timings_s = {"capture": capture_s, **compiled.report.timings_s}
-    compiled.report.fallbacks[:0] = [Fallback(f.aten_op, f.reason) for f in cap.fallbacks]
+    fallbacks = [Fallback(f.aten_op, f.reason) for f in fallback_report(graph)]
+    compiled.report.fallbacks[:0] = fallbacks
     compiled.set_output_spec(None if cap.out_spec.is_leaf() else cap.out_spec)
     if opts.verify:
         assert compiled.program is not None
@@ -118,8 +160,8 @@ def compile_graph(
     opts = opts or CompileOptions()
     times: dict[str, float] = {}
     t0 = time.perf_counter()
-    measure = measurer(graph, _build_unverified) if opts.measure else None
-    costs = CostModel(load_profile(), measure=measure)
+    measure = measurer(graph, _builder(opts)) if opts.measure else None
+    costs = _cost_model(opts, measure)
     solver_report = None
     if kernels is None:
         orch, solver_report = _orchestrate(graph, costs, opts)
@@ -131,8 +173,12 @@ def compile_graph(
         nodes=len(graph.nodes),
         solver=solver_report,
         executor=opts.executor,
-        isa=build.isa(),
+        isa=build.isa() if opts.resolved_backend == "cpp" else opts.device,
     )
+    if opts.resolved_backend == "triton" and opts.executor == "native":
+        compiled = gpu_backend.build(prog, opts.device, opts.cuda_graphs, report)
+        report.timings_s = {**times, **report.timings_s}
+        return compiled
     run, cpp = _executor(prog, opts, times, report)
     _fill_kernels(report, prog, cpp)
     report.timings_s = times
@@ -141,16 +187,35 @@ def compile_graph(
     return compiled
 
 
+def _cost_model(
+    opts: CompileOptions, measure: Callable[[Candidate], float] | None
+) -> CostModelBase:
+    """The costs the BLP decides on: this CPU's profile for the C++ backend; for Triton the
+    GPU's calibrated (or detected) profile — under the interpreter, an H100's, the GPU
+    the generated program is meant for."""
+    if opts.resolved_backend == "cpp":
+        return CostModel(load_profile(), measure=measure)
+    dev = torch.device(opts.device)
+    profile = load_gpu_profile(dev) if dev.type == "cuda" else gpu_profile("H100")
+    return GpuCostModel(profile, measure=measure, cuda_graph=opts.cuda_graphs)
+
+
 def _orchestrate(
-    graph: Graph, costs: CostModel, opts: CompileOptions
+    graph: Graph, costs: CostModelBase, opts: CompileOptions
 ) -> tuple[Orchestration, SolverReport]:
-    cands = enumerate_candidates(graph, max_nodes=opts.max_kernel_nodes)
+    target = opts.target
+    cands = enumerate_candidates(graph, max_nodes=opts.max_kernel_nodes, target=target)
+    cands += chain_candidates(graph, target=target)
+    cands += attention_candidates(graph, target=target)
     cost_of = costs.costs(cands, graph)
-    greedy = greedy_fusion(graph, cost_of)
+    # a kernel the target cannot build (a chain too wide for the chip) is priced inf
+    cost_of = {c: t for c, t in cost_of.items() if math.isfinite(t)}
+    cands = list(cost_of)
+    greedy = greedy_fusion(graph, cost_of, target=target)
     if opts.solver == "greedy":
         orch = greedy
     else:
-        orch = orchestrate(graph, cands, cost_of)
+        orch = orchestrate(graph, cands, cost_of, target=target)
     rep = SolverReport(
         method=opts.solver,
         status=orch.status,
@@ -165,7 +230,7 @@ def _orchestrate(
     return orch, rep
 
 
-def _kernel(graph: Graph, c: Candidate, costs: CostModel) -> Kernel:
+def _kernel(graph: Graph, c: Candidate, costs: CostModelBase) -> Kernel:
     order = [n.name for n in graph.nodes if n.name in c.nodes]
     return Kernel(c.template, tuple(order), tuple(c.outputs), tuple(c.inputs), costs.cost(c, graph))
 
@@ -244,7 +309,7 @@ def _verify(
         worst = max((r.max_rel for r in results), default=0.0)
         report.verification = f"ok ({len(results)} outputs, max error rel-to-max {worst:.2e})"
         return
-    where = _locate_divergence(compiled, prog, inputs)
+    where = _locate_divergence(prog, inputs, opts)
     msg = "; ".join(f"output {i}: {r.detail}" for i, r in bad) + (
         f"; first divergence: {where}" if where else ""
     )
@@ -262,7 +327,7 @@ def _verify(
     report.executor = "eager (verification failed)"
 
 
-def _locate_divergence(compiled: CompiledModule, prog: Program, inputs: tuple[Tensor, ...]) -> str:
+def _locate_divergence(prog: Program, inputs: tuple[Tensor, ...], opts: CompileOptions) -> str:
     """Name the first kernel whose result differs from the reference, by recompiling a
     debug variant that also returns every kernel's outputs."""
     from kiln.core.compare import compare
@@ -274,9 +339,13 @@ def _locate_divergence(compiled: CompiledModule, prog: Program, inputs: tuple[Te
     debug_graph = Graph(g.values, g.nodes, g.inputs, list(g.outputs) + written, g.constants)
     debug = build_program(debug_graph, prog.kernels)
     try:
-        cpp = generate(debug, panel_width(build.isa()))
-        so = build.compile_program(cpp.source)
-        outs = NativeExecutor(debug, cpp, str(so), build.load_runtime())(list(inputs))
+        if opts.resolved_backend == "triton":
+            report = CompileReport(model="debug", nodes=len(g.nodes))
+            outs = gpu_backend.build(debug, opts.device, False, report).run_flat(list(inputs))
+        else:
+            cpp = generate(debug, panel_width(build.isa()))
+            so = build.compile_program(cpp.source)
+            outs = NativeExecutor(debug, cpp, str(so), build.load_runtime())(list(inputs))
     except Exception as e:  # noqa: BLE001 - diagnostics only; the mismatch is reported anyway
         return f"(could not build the debug program: {e})"
     extra = outs[len(g.outputs) :]
@@ -289,6 +358,12 @@ def _locate_divergence(compiled: CompiledModule, prog: Program, inputs: tuple[Te
     return ""
 
 
-def _build_unverified(graph: Graph, kernels: list[Kernel]) -> CompiledModule:
-    """``graph`` built with exactly ``kernels``, unverified: how candidates are timed."""
-    return compile_graph(graph, CompileOptions(verify=False), kernels=kernels)
+def _builder(opts: CompileOptions) -> Callable[[Graph, list[Kernel]], CompiledModule]:
+    """How candidates are timed: ``graph`` built with exactly ``kernels``, unverified,
+    on the backend and device being compiled for."""
+    plain = replace(opts, verify=False, measure=False)
+
+    def build_unverified(graph: Graph, kernels: list[Kernel]) -> CompiledModule:
+        return compile_graph(graph, plain, kernels=kernels)
+
+    return build_unverified

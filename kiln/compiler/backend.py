@@ -21,9 +21,9 @@ def _real(t: Any) -> Any:
     """Dynamo may pass fake tensors; kiln compiles (and verifies) on real ones."""
     if isinstance(t, Tensor):
         return (
-            torch.randn(t.shape, dtype=t.dtype)
+            torch.randn(t.shape, dtype=t.dtype, device=t.device)
             if t.is_floating_point()
-            else torch.zeros(t.shape, dtype=t.dtype)
+            else torch.zeros(t.shape, dtype=t.dtype, device=t.device)
         )
     return t
 

@@ -196,7 +196,7 @@ def _aten_call(n: Node) -> tuple[object, tuple[Any, ...], dict[str, Any]]:
 
 
 def enforce_native_dtypes(graph: Graph) -> Graph:
-    """Native kernels compute in float32 (plus bool masks). Any compute node
+    """The C++ backend's kernels compute in float32 (plus bool masks). Any compute node
     reading or producing another dtype becomes an opaque ATen call; casts and
     layout ops (which only move data) stay."""
     rw = _Rewriter(graph)
@@ -233,7 +233,14 @@ def optimize(graph: Graph) -> Graph:
     graph = fold_conv_affine(graph)
     graph = drop_unit_reduction_dims(graph)
     graph = canonicalize_views(sink_unit_views(graph))
-    graph = enforce_native_dtypes(graph)
     graph = eliminate_dead_code(graph)
+    graph.validate()
+    return graph
+
+
+def for_cpu_backend(graph: Graph) -> Graph:
+    """The captured graph as the C++ backend takes it: compute on dtypes its kernels do
+    not hold (fp16, bf16, ...) becomes opaque ATen calls (the Triton backend keeps them)."""
+    graph = eliminate_dead_code(enforce_native_dtypes(graph))
     graph.validate()
     return graph

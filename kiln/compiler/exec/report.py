@@ -46,7 +46,9 @@ class CompileReport:
     cache_hit: bool = False
     executor: str = "native"
     verification: str = "not run"
-    isa: str = ""
+    isa: str = ""  # the CPU's instruction set, or the device a GPU program runs on
+    graph_captured: bool = False  # GPU: the program replays as one CUDA graph
+    arena_bytes: int = 0  # static memory plan: bytes of intermediates
 
     def summary(self) -> str:
         s = self.solver

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from kiln.compiler.capture import CaptureResult, capture
+from kiln.compiler.capture import CaptureResult, capture, fallback_report
+from kiln.compiler.capture.passes import for_cpu_backend
 from kiln.compiler.ir.graph import Graph, Node, ValueKind
 from kiln.compiler.ir.semantics import run_graph
 from tests.compiler.capture import models as M
@@ -221,8 +222,8 @@ def test_layout_chains_collapse() -> None:
 
 
 def test_integer_math_becomes_opaque() -> None:
-    """Native kernels take float32/bool only: int64 arithmetic runs in torch,
-    while the cast and the view of the int input stay primitive."""
+    """The C++ backend's kernels take float32/bool only: for it int64 arithmetic runs in
+    torch, while the cast and the view of the int input stay primitive."""
 
     class IntOps(nn.Module):
         def forward(self, idx: Tensor) -> Tensor:
@@ -230,10 +231,10 @@ def test_integer_math_becomes_opaque() -> None:
             return shifted.float().view(2, 3) * 0.5
 
     idx = torch.arange(6).view(2, 3)
-    result = capture(IntOps(), (idx,))
-    g = result.graph
-    assert [f.aten_op for f in result.fallbacks] == ["aten.add.Tensor", "aten.mul.Tensor"]
-    assert all("int64" in f.reason for f in result.fallbacks)
+    g = for_cpu_backend(capture(IntOps(), (idx,)).graph)
+    fallbacks = fallback_report(g)
+    assert [f.aten_op for f in fallbacks] == ["aten.add.Tensor", "aten.mul.Tensor"]
+    assert all("int64" in f.reason for f in fallbacks)
     assert "cast" in ops(g) and "view" in ops(g)
     assert_close_to_reference(run_graph(g, [idx])[0], IntOps()(idx))
 
