@@ -64,6 +64,7 @@ class CompileOptions:
     backend: Literal["auto", "cpp", "triton"] = "auto"
     cuda_graphs: bool = True  # triton on a GPU: replay the program as one CUDA graph
     device: str = "cpu"  # where the program runs (set from the example inputs)
+    max_shapes: int = 8  # triton: programs (CUDA graphs) kept for new input shapes, at most
 
     def __post_init__(self) -> None:
         if self.on_mismatch not in ("raise", "eager"):
@@ -74,6 +75,8 @@ class CompileOptions:
             raise ValueError(f"solver must be 'blp' or 'greedy', not {self.solver!r}")
         if self.max_kernel_nodes < 1:
             raise ValueError("max_kernel_nodes must be >= 1")
+        if self.max_shapes < 1:
+            raise ValueError("max_shapes must be >= 1")
         if self.backend not in ("auto", "cpp", "triton"):
             raise ValueError(f"backend must be 'auto', 'cpp' or 'triton', not {self.backend!r}")
 
@@ -101,6 +104,7 @@ def compile(
     cache: bool = True,
     backend: Literal["auto", "cpp", "triton"] = "auto",
     cuda_graphs: bool = True,
+    max_shapes: int = 8,
 ) -> CompiledModule:
     """Compile ``model`` for the shapes of ``example_inputs``.
 
@@ -109,13 +113,14 @@ def compile(
     overrides; ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``). Returns a
     callable with the model's signature. Raises ``VerificationError`` if the result
     differs from eager PyTorch (or falls back to eager with a warning when
-    ``on_mismatch="eager"``).
+    ``on_mismatch="eager"``). With the Triton backend a call with new input shapes compiles
+    (and keeps) a program for them, up to ``max_shapes``; C++ programs keep one shape.
     """
     inputs = tuple(example_inputs)
     device = next((str(t.device) for t in inputs if t.device.type == "cuda"), "cpu")
     opts = CompileOptions(
         verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache,
-        backend, cuda_graphs, device,
+        backend, cuda_graphs, device, max_shapes,
     )  # fmt: skip
     return compile_with(model, inputs, opts)
 
@@ -135,6 +140,11 @@ def compile_with(
     if opts.verify:
         assert compiled.program is not None
         _verify(compiled, model, example_inputs, compiled.program, opts, compiled.report)
+    if opts.resolved_backend == "triton" and opts.max_shapes > 1:
+        one = replace(opts, max_shapes=1)
+        compiled.compile_new_shapes(
+            lambda inputs: compile_with(model, tuple(inputs), one), opts.max_shapes
+        )
     return compiled
 
 

@@ -33,16 +33,15 @@ from kiln.compiler.ir.graph import Node, ValueKind
 MAX_WIDTH = 256  # widest chain intermediate held in registers
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    if dtype != torch.float32:
-        return "ieee"  # ignored for 16-bit operands
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
-
-
 def _dot(a: str, b: str, dtype: torch.dtype) -> str:
+    """``tl.dot`` of two operand tiles of ``dtype`` with fp32 accumulation (see the module
+    docstring for the precision and interpreter rules)."""
+    if dtype == torch.float32:
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+        return f'tl.dot({a}, {b}, input_precision="{precision}")'
     if interpreting() and dtype == torch.bfloat16:
-        a, b = f"{a}.to(tl.float32)", f"{b}.to(tl.float32)"
-    return f'tl.dot({a}, {b}, input_precision="{dot_precision(dtype)}")'
+        return f"tl.dot({a}.to(tl.float32), {b}.to(tl.float32))"
+    return f"tl.dot({a}, {b})"
 
 
 def _operand_dtype(prog: Program, mm: Node) -> torch.dtype:

@@ -12,6 +12,7 @@ from torch import nn
 
 import kiln
 from kiln.compiler.codegen.gpu.source import Launch
+from kiln.compiler.exec.executors import ShapeMismatch
 from kiln.core.compare import compare
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -205,3 +206,34 @@ def test_triton_backend_without_gpu_or_interpreter_is_refused(
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         kiln.compile(nn.ReLU(), [torch.randn(4)], backend="triton", cache=False)
+
+
+def test_new_input_shapes_compile_up_to_the_cap(device: torch.device) -> None:
+    model = LinearAct(8, 16).eval().to(device)
+    compiled = kiln.compile(
+        model,
+        [torch.randn(4, 8, device=device), torch.randn(4, 16, device=device)],
+        backend="triton",
+        cache=False,
+        max_shapes=2,
+    )
+    x, r = torch.randn(7, 8, device=device), torch.randn(7, 16, device=device)
+    with torch.no_grad():
+        assert compare(compiled(x, r), model(x, r)).ok  # a second program, for 7 rows
+    assert len(compiled.shapes) == 1
+    with pytest.raises(ShapeMismatch, match="max_shapes=2"):
+        compiled(torch.randn(9, 8, device=device), torch.randn(9, 16, device=device))
+
+
+def test_bool_outputs_and_where(device: torch.device) -> None:
+    class Masks(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            keep = (x > 0) & ~(x > 1.5)
+            return keep, torch.where(keep, x, -x)
+
+    x = torch.randn(5, 33, device=device)
+    compiled = kiln.compile(Masks(), [x], backend="triton", cache=False)
+    keep, y = compiled(x)
+    assert keep.dtype == torch.bool
+    assert torch.equal(keep, (x > 0) & ~(x > 1.5))
+    assert torch.equal(y, torch.where(keep, x, -x))
