@@ -24,9 +24,18 @@ def calibrate(
     weight format: a fixed time per block plus weight bytes (decode) or FLOPs (prefill) at
     a measured rate, for the C++ step, the eager module, the disk-streamed module and a
     gloo all-reduce between two ranks (the planner prices --hardware cpu plans with these).
-    Both are cached; this refreshes them."""
+    Both are cached; this refreshes them. With a CUDA GPU, its profile (HBM bandwidth,
+    launch overheads, GEMM rates per dtype: the Triton backend's cost model) comes first."""
+    import torch
+
     from kiln.core.calibrate import load_profile
     from kiln.deploy.rates_table import load_rates
+
+    if torch.cuda.is_available():
+        from kiln.core.gpu_profile import calibrate_gpu_profile
+
+        with console.status(f"calibrating {torch.cuda.get_device_name()}"):
+            console.print(calibrate_gpu_profile())
 
     counts = [int(t) for t in threads.split(",") if t.strip()]
     with console.status("calibrating the hardware profile"):
