@@ -28,6 +28,7 @@ import torch
 
 from kiln.core.cache import cache_dir
 from kiln.core.hardware import HardwareProfile, cpu_model, gemm_shape_class
+from kiln.core.native import isa
 
 
 def _best_us(fn: Callable[[], object], inner: int, budget_s: float) -> float:
@@ -151,9 +152,11 @@ def _measure(threads: int) -> HardwareProfile:
 
 
 def profile_path(threads: int) -> Path:
-    """Where this machine's profile at ``threads`` threads is cached."""
+    """Where this machine's profile at ``threads`` threads is cached: keyed by the CPU's
+    name, its instruction set and the thread count (hosts sharing a marketing name, such as
+    Zen 3 and Zen 5 "AMD EPYC", differ in ISA and speed)."""
     slug = re.sub(r"[^a-z0-9]+", "-", cpu_model().lower()).strip("-") or "cpu"
-    return cache_dir() / f"hardware-{slug}-{threads}t.json"
+    return cache_dir() / f"hardware-{slug}-{isa()}-{threads}t.json"
 
 
 def load_profile(threads: int = 2, refresh: bool = False) -> HardwareProfile:

@@ -70,10 +70,11 @@ def test_registries() -> None:
 def test_kiln_report_facts() -> None:
     report = CompileReport(model="M", nodes=3, executor="triton")
     report.fallbacks.append(Fallback("aten.sort", "no kernel"))
-    report.graph_captured = True  # type: ignore[attr-defined]  # what the GPU report adds
+    report.graph_captured = True
+    report.arena_bytes = 4096
     facts = report_facts(report)
     assert facts["executor"] == "triton" and facts["graph_captured"] is True
-    assert facts["fallbacks"] == ["aten.sort: no kernel"] and "arena_bytes" not in facts
+    assert facts["fallbacks"] == ["aten.sort: no kernel"] and facts["arena_bytes"] == 4096
     assert facts["kiln_summary"].startswith("kiln: M")
     assert report_facts(None) == {"kiln_report": None}
 
