@@ -32,6 +32,8 @@ def capture_key(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]
     for name, m in model.named_modules():
         cls = type(m)
         h.update(f"{name}:{cls.__module__}.{cls.__qualname__};".encode())
+        if isinstance(m, torch.fx.GraphModule):  # one class, any code: key on the code
+            h.update(m.code.encode())
         with contextlib.suppress(TypeError):  # built-in classes have no source file
             files.add(inspect.getsourcefile(cls) or "")
         h.update(

@@ -1,6 +1,10 @@
 """capture: PyTorch model -> kiln primitive ``Graph``.
 
-1. ``torch.export.export`` the model in eval mode under ``torch.no_grad()``;
+1. ``torch.export.export`` the model in eval mode under ``torch.no_grad()``. A model
+   whose Python control flow depends on tensor values (``if x.sum() > 0``, a loop
+   count read with ``.item()``) cannot be exported: that raises a short
+   ``CaptureError`` naming the line in the user's code and the remedies
+   (``torch.compile(model, backend="kiln")``, ``torch.where``/``torch.cond``);
 2. ``run_decompositions`` with the core ATen table plus ``EXTRA_DECOMPOSITIONS``
    (composites whose decompositions are already primitive-friendly);
 3. walk the FX graph: parameters, buffers and lifted constants become PARAM
@@ -20,9 +24,16 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import operator
+import os
+import sys
+import sysconfig
+import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,10 +110,117 @@ def decomposition_table() -> dict[Any, Any]:
 def export_program(
     model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]
 ) -> ExportedProgram:
-    """torch.export in eval/inference mode, decomposed for lowering."""
+    """torch.export in eval/inference mode, decomposed for lowering. Control flow on
+    tensor values raises ``CaptureError`` saying where (see ``data_dependent_error``)."""
     with torch.no_grad():
-        ep = torch.export.export(model.eval(), tuple(example_inputs))
+        with _export_output() as dumps:
+            try:
+                ep = torch.export.export(_eval_mode(model), tuple(example_inputs))
+            except Exception as e:
+                err = data_dependent_error(e, model)
+                if err is None:
+                    raise
+                dumps.append(str(getattr(e, "partial_fx_graph", "")))
+                raise err from None
         return ep.run_decompositions(decomposition_table())
+
+
+def _eval_mode(model: torch.nn.Module) -> torch.nn.Module:
+    """``model.eval()``; a module from ``ExportedProgram.module()`` refuses to switch mode
+    (it is traced in the mode it was exported in) and is taken as it is."""
+    try:
+        return model.eval()
+    except NotImplementedError:
+        return model
+
+
+# What torch.export raises when Python control flow needs a tensor's value: the
+# non-strict tracer's guard failure, and strict (dynamo) export's user error.
+_DATA_DEPENDENT = (
+    "Could not guard on data-dependent expression",
+    "Could not extract specialized integer from data-dependent expression",
+    "Could not extract specialized float from data-dependent expression",
+    "Dynamic control flow is not supported",
+)
+
+
+def _is_data_dependent(e: BaseException) -> bool:
+    from torch._dynamo.exc import UserError, UserErrorType
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    if isinstance(e, GuardOnDataDependentSymNode):
+        return True
+    if isinstance(e, UserError) and e.error_type == UserErrorType.DYNAMIC_CONTROL_FLOW:
+        return True
+    return isinstance(e, RuntimeError) and any(m in str(e) for m in _DATA_DEPENDENT)
+
+
+def data_dependent_error(e: BaseException, model: torch.nn.Module) -> CaptureError | None:
+    """``e`` from torch.export as a short ``CaptureError`` if it is control flow on tensor
+    values: where in the user's code (file:line and the source line), what torch said in
+    one line, and the remedies. ``None`` for any other failure."""
+    if not _is_data_dependent(e):
+        return None
+    where = user_frame(e)
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    first = first.split(" (unhinted")[0].split("  (Size-like")[0]
+    at = (
+        f"at {where.filename}:{where.lineno} in {where.name}: {(where.line or '').strip()}"
+        if where is not None
+        else "(torch did not say where)"
+    )
+    return CaptureError(
+        f"kiln cannot capture {type(model).__name__}: Python control flow on a tensor's "
+        f"value {at}\n"
+        f"  torch.export traces one graph for all inputs and cannot decide this ({first}).\n"
+        '  Use torch.compile(model, backend="kiln"), which splits the graph there and '
+        "compiles the pieces around it with kiln, or rewrite it with torch.where / torch.cond."
+    )
+
+
+def user_frame(e: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of ``e``'s traceback in the user's code: not torch, not kiln's
+    compiler, not the standard library, not generated code (``<eval_with_key>``)."""
+    skip = (
+        os.path.dirname(torch.__file__) + os.sep,
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # kiln.compiler
+        sysconfig.get_paths()["stdlib"] + os.sep,
+    )
+    frames = [
+        f
+        for f in traceback.extract_tb(e.__traceback__)
+        if not f.filename.startswith("<") and not os.path.abspath(f.filename).startswith(skip)
+    ]
+    return frames[-1] if frames else None
+
+
+class _DropUserCodeNotFound(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unable to find user code")
+
+
+@contextlib.contextmanager
+def _export_output() -> Iterator[list[str]]:
+    """Around ``torch.export.export``: what it prints to stderr passes through, except the
+    partial graph it dumps on a failure the caller explains itself (the caller appends
+    that text to the yielded list), and the symbolic-shapes logger's "Unable to find user
+    code" line that comes with it."""
+    dumps: list[str] = []
+    real = sys.stderr
+    buf = io.StringIO()
+    shapes_log = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    quiet = _DropUserCodeNotFound()
+    shapes_log.addFilter(quiet)
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield dumps
+    finally:
+        shapes_log.removeFilter(quiet)
+        text = buf.getvalue()
+        for dump in filter(None, dumps):
+            text = text.replace(dump + "\n", "")
+        if text.strip():
+            real.write(text)
 
 
 def capture(model: torch.nn.Module, example_inputs: tuple[torch.Tensor, ...]) -> CaptureResult:
