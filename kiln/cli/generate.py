@@ -24,8 +24,10 @@ TopP = Annotated[float | None, typer.Option(help="sample within this much probab
 Seed = Annotated[int | None, typer.Option(help="seed for sampling")]
 Dtype = Annotated[str, typer.Option(help="float32 | bfloat16 | float16")]
 Engine = Annotated[str, typer.Option(help="auto | fast (C++ decode step) | eager")]
-Unpacked = Annotated[bool, typer.Option(help="dequantize a GGUF's 4-bit layers to float")]
-Head = Annotated[str, typer.Option(help="auto (INT8 when layers are compressed) | fp32 | int8")]
+Unpacked = Annotated[bool, typer.Option(help="dequantize a GGUF's quantized layers to float")]
+Head = Annotated[str, typer.Option(
+    help="auto (INT8 when layers are compressed; a GGUF's quantized head as stored) | fp32 | int8"
+)]  # fmt: skip
 Tp = Annotated[int, typer.Option(help="tensor-parallel ranks")]
 Pp = Annotated[int, typer.Option(help="pipeline stages")]
 Split = Annotated[str, typer.Option(help="layers per pipeline stage, e.g. 16,14 (default: even)")]
@@ -60,7 +62,8 @@ def generate(
     One process runs kiln's fast C++ decode step when it can (else the eager model, saying
     why); --speculate K decodes with an INT8 draft whose guesses are checked K at a time;
     --offload streams each block's weights from disk; --tp/--pp start ranks as kiln run
-    does. A GGUF's 4-bit layers stay packed unless --unpacked."""
+    does. A GGUF's quantized layers (and a tied table stored quantized, as the head) stay
+    packed unless --unpacked."""
     from kiln.deploy import parse
     from kiln.deploy.generate_job import GenerateRequest
     from kiln.llm.generate import Sampling

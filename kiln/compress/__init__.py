@@ -14,6 +14,7 @@ Checkpoints: ``save_compressed`` / ``load_compressed`` (safetensors + a JSON man
 
 from kiln.compress.checkpoint import load_compressed, load_into, save_compressed
 from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly, LowRank, SemiStructured24
+from kiln.compress.gguf_linear import GgufLinear  # registers the "gguf" layer kind
 from kiln.compress.modules import (
     CompressedLinear,
     Int4Linear,
@@ -25,6 +26,7 @@ from kiln.compress.verbs import lowrank_, quantize_, sparsify_
 
 __all__ = [
     "CompressedLinear",
+    "GgufLinear",
     "Int4Linear",
     "Int4WeightOnly",
     "Int8Linear",

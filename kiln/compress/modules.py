@@ -14,7 +14,8 @@ layer's ``compute_dtype`` instead (see ``CompressedLinear._apply``). The output 
 the input's dtype, as an ``nn.Linear``'s does after the same call.
 
 ``LAYER_KINDS`` maps the ``kind`` string saved in a checkpoint to its class: the one
-registry a loader needs.
+registry a loader needs (``GgufLinear``, a GGUF tensor's blocks, lives in ``gguf_linear.py``
+and adds itself; the package imports it).
 """
 
 from __future__ import annotations

@@ -15,7 +15,9 @@ the path and reports what it did:
   - otherwise the fast C++ decode step (``kiln.llm.fast_decoder.FastDecoder``) when it can run
     the model, else the eager model — the reason is reported, never hidden.
 A packed GGUF (4-bit linear layers) gets an INT8 head by default: the tied fp32 head alone
-would be read whole every step (113 MB on SmolLM2, more than all 4-bit layers together).
+would be read whole every step (113 MB on SmolLM2, more than all 4-bit layers together) —
+unless the file stores the head (or the tied table) quantized, as SmolLM2's Q8_0 table: the
+packed load then has that as the head, exactly as stored, and it is kept.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.compress.configs import Int8WeightOnly
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.compress.modules import CompressedLinear
 from kiln.llm.generate import Decoder, EagerDecoder, Generation, Sampling, generate
 from kiln.models.load import LoadedModel, load_model, open_checkpoint
@@ -52,8 +55,9 @@ class GenerateRequest:
     max_new_tokens: int = 64
     sampling: Sampling = Sampling()
     dtype: str = "float32"
-    packed: bool = True  # keep a GGUF's 4-bit layers packed (kiln's INT4 kernels)
-    head: str = "auto"  # HEADS; auto: INT8 head when the linear layers are compressed
+    packed: bool = True  # keep a GGUF's quantized layers packed (kiln's INT4 / block kernels)
+    head: str = "auto"  # HEADS; auto: INT8 head when the linear layers are compressed (a
+    # GGUF head kept as stored stays); fp32: a float head (a GGUF's: its values dequantized)
     engine: str = "auto"  # ENGINES
     tp: int = 1
     pp: int = 1
@@ -125,6 +129,8 @@ def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
 
         store_in_format(model, request.weights)
         return [f"block weights stored as {request.weights} (the plan's format)"]
+    if request.head == "fp32" and isinstance(model.lm_head, GgufLinear):
+        return [_float_head(model)]
     int8_head = request.head == "int8" or (request.head == "auto" and _compressed(model))
     if not int8_head or isinstance(model.lm_head, CompressedLinear):
         return []
@@ -132,6 +138,22 @@ def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
 
     quantize_head_(model, Int8WeightOnly())
     return ["head quantized to INT8 per channel (untied from the fp32 embedding table)"]
+
+
+def _float_head(model: Transformer) -> str:
+    """Replace a head kept as a GGUF's blocks by a float one of the same values: the fp32
+    embedding table when tied (no new memory), else the dequantized weight."""
+    head = model.lm_head
+    assert isinstance(head, GgufLinear)
+    dense = torch.nn.Linear(head.in_features, head.out_features, bias=False, device="meta")
+    if model.cfg.tie_embeddings:
+        dense.weight = model.embed.weight
+        note = "head: the fp32 embedding table (tied), not the file's {} table"
+    else:
+        dense.weight = torch.nn.Parameter(head.dense_weight(), requires_grad=False)
+        note = "head: the file's {} weight dequantized to fp32"
+    model.lm_head = dense
+    return note.format(head.type_name)
 
 
 def _compressed(model: Transformer) -> bool:

@@ -41,7 +41,9 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
     # float block linears with data: not those quantized while loading, nor meta ones
     blocks = lambda m, name: name.startswith("layers.") and not m.weight.is_meta  # noqa: E731
     quantize_(model, config, filter_fn=blocks)
-    if model.lm_head.weight.numel():  # not a pipeline stage's released head
+    head = model.lm_head
+    # a float head with data: not one kept packed (a GGUF's Q8_0 table), nor a released one
+    if isinstance(head, torch.nn.Linear) and head.weight.numel():
         quantize_head_(model, Int8WeightOnly())
     return model
 

@@ -12,6 +12,8 @@ go to the Triton kernels of ``kiln.kernels.gpu.woq_triton``, CPU weights to
 ``kiln.kernels.cpu.woq`` (kiln's C++ kernel for decode-sized inputs, chosen by measurement
 over torch's packed kernels). Modules are imported only when such a kernel is built.
 ``formats.dequantize_int8`` / ``dequantize_int4`` are the reference every kernel must match.
+GGUF weights kept as their file's blocks (``gguf_weight_only``) run on kiln's C++ block
+kernels (``kiln.kernels.cpu.gguf_blocks``, whose pure-torch dequantizer is their reference).
 """
 
 from __future__ import annotations
@@ -80,3 +82,30 @@ def int4_weight_only(
 
         return cpu_int4_kernel(packed, scale, offset, group_size)
     raise ValueError(f"weight-only INT4 kernels run on cpu or cuda, not {packed.device}")
+
+
+def gguf_weight_only(
+    blocks: Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32
+) -> WeightOnlyKernel:
+    """A kernel computing ``x @ W.T`` for x (..., K) of ``dtype``, W a GGUF tensor's blocks
+    as stored: uint8 (N, K / elems * bytes) of ggml type ``ggml_type`` (Q4_0 .. Q6_K,
+    ``kiln.kernels.cpu.gguf_blocks.BLOCKS``). CPU and float32: kiln's C++ block kernels;
+    otherwise (any device, any dtype) the reference dequantizer a tile of rows at a time.
+    Raises ValueError for a malformed or unsupported weight."""
+    from kiln.kernels.cpu.gguf_blocks import gguf_kernel
+
+    return gguf_kernel(blocks, ggml_type, k, dtype)
+
+
+def gguf_dequantize(blocks: Tensor, ggml_type: int, k: int) -> Tensor:
+    """The values of a GGUF tensor's blocks, float32 (N, K), on the blocks' device (kiln's
+    C++ decoder on the CPU when it builds, else the pure-torch reference)."""
+    from kiln.core.native import KilnCompileError
+    from kiln.kernels.cpu.gguf_blocks import dequantize_rows, reference_dequantize
+
+    if blocks.is_cpu:
+        try:
+            return dequantize_rows(blocks, ggml_type, k)
+        except (KilnCompileError, RuntimeError, OSError):
+            pass  # no compiler here: the reference gives the same values
+    return reference_dequantize(blocks, ggml_type, k)

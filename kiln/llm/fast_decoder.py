@@ -5,8 +5,8 @@ ops per token, each a dispatch, an allocation and a tiny kernel. ``FastDecoder``
 kiln ``Transformer``'s weights once into a flat descriptor (``kiln.llm.native.step``) and
 runs every decode step — embedding, norms, projections, rotary, KV-cache write, attention,
 MLP, final norm and head — inside one call of ``decode.cpp``, whose linear layers stream
-each weight once (a GEMV over fp32, bf16 or fp16 weights, or kiln's INT8 / INT4 weight-only
-kernels). A bf16 / fp16 model stays 16-bit in memory (weights, embedding table, KV cache:
+each weight once (a GEMV over fp32, bf16 or fp16 weights, kiln's INT8 / INT4 weight-only
+kernels, or a GGUF tensor's blocks decoded in registers). A bf16 / fp16 model stays 16-bit in memory (weights, embedding table, KV cache:
 half the bytes per step) and computes in fp32.
 
 Usage::
@@ -40,6 +40,7 @@ import torch
 from torch import Tensor, nn
 
 from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.compress.modules import Int4Linear, Int8Linear
 from kiln.compress.verbs import quantize_
 from kiln.core import native
@@ -51,6 +52,7 @@ from kiln.llm.native.step import (
     Descriptor,
     LinearArgs,
     dense_args,
+    gguf_args,
     int4_args,
     int8_args,
     load_extension,
@@ -88,11 +90,17 @@ def _int4_linear(mod: nn.Module) -> LinearArgs:
     return int4_args(mod.packed, mod.scale, mod.offset, mod.group_size, mod.bias)
 
 
+def _gguf_linear(mod: nn.Module) -> LinearArgs:
+    assert isinstance(mod, GgufLinear)
+    return gguf_args(mod.blocks, mod.ggml_type, mod.in_features, mod.bias)
+
+
 # The one registry: linear module type (exact) -> its kernel arguments for decode.cpp.
 LINEAR_KINDS: dict[type[nn.Module], Callable[[nn.Module], LinearArgs]] = {
     nn.Linear: _dense_linear,
     Int8Linear: _int8_linear,
     Int4Linear: _int4_linear,
+    GgufLinear: _gguf_linear,
 }
 
 

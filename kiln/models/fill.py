@@ -5,7 +5,8 @@ reading anything — a missing tensor, an unexpected one or a wrong shape is a `
 naming it, the file, and both shapes — then builds the model on the meta device (no
 random initialisation) and reads into it, in order: the embedding (first pipeline stage),
 each requested block, calling the caller's ``on_block`` hook as soon as the block is
-filled, then the final norm and the head (last stage; a tied head is the embedding).
+filled, then the final norm and the head (last stage; a tied head is the embedding, unless
+the checkpoint gives it as a packed layer of the stored table: then it is that layer).
 Blocks outside ``layers`` stay on the meta device and their tensors are never read.
 
 Where a tensor's memory comes from:
@@ -18,9 +19,10 @@ Where a tensor's memory comes from:
   touched page of a mapping would not.
 
 Each tensor moves to ``device`` as soon as it is read, so the host holds at most one
-block on its way there. Packed / compressed layers (GGUF Q4, ``kiln compress``
-checkpoints) replace their ``nn.Linear``; weights are read before biases, because a bias
-may belong to such a layer.
+block on its way there. Packed / compressed layers (a GGUF's quantized layers, ``kiln
+compress`` checkpoints) replace their ``nn.Linear``; weights are read before biases, because
+a bias may belong to such a layer. A GGUF layer whose column slice (tensor-parallel rows of
+the input) would cut its blocks is kept as float columns instead.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.compress.modules import CompressedLinear
 from kiln.core.memory import trim_heap
 from kiln.models.config import ModelConfig
@@ -67,6 +70,10 @@ def build_model(
         model = Transformer(cfg)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}  # tied: once
     tensors = _untied(cfg, tensors)
+    # A tied head the checkpoint stores packed (a GGUF's Q8_0 table) is read as its own layer.
+    packed_head = cfg.tie_embeddings and "lm_head.weight" in tensors
+    if packed_head:
+        expected["lm_head.weight"] = (cfg.vocab_size, cfg.hidden_size)
     _check(expected, tensors, where)
     wanted = _wanted(cfg, layers)
     first, last = wanted.start == 0, wanted.stop == cfg.n_layers
@@ -92,7 +99,7 @@ def build_model(
             trim_heap()  # what the hook freed goes back to the OS, not to a fragmented heap
     if last:
         filler.fill(n for n in top if n.startswith(_LAST))
-        if cfg.tie_embeddings:
+        if cfg.tie_embeddings and not packed_head:
             if not first:
                 filler.fill(["embed.weight"])  # the tied head is the embedding table
             model.lm_head.weight = model.embed.weight
@@ -138,6 +145,8 @@ class _Filler:
         value = lazy.read()  # columns: the whole tensor, then its columns copied out
         if leaf == "bias":
             return value
+        if isinstance(value, GgufLinear) and (part.start % value.block or part.stop % value.block):
+            value = value.dense_weight()  # a GGUF's blocks cut mid-block: its float columns
         if isinstance(value, CompressedLinear):
             return value.slice_cols(part.start, part.stop)
         return value[:, part.start : part.stop].contiguous()
@@ -169,9 +178,13 @@ class _Filler:
 
 
 def _untied(cfg: ModelConfig, tensors: Mapping[str, LazyTensor]) -> dict[str, LazyTensor]:
-    """Some tied checkpoints repeat the head; it is the embedding (kept under its name)."""
+    """Some tied checkpoints repeat the head; it is the embedding (kept under its name).
+    A head read as a packed layer (``LazyTensor.compressed``: a GGUF's tied table kept as
+    stored) stays: it replaces the ``nn.Linear`` and is not re-tied."""
     out = dict(tensors)
     if cfg.tie_embeddings:
+        if "lm_head.weight" in out and out["lm_head.weight"].compressed:
+            return out
         head = out.pop("lm_head.weight", None)
         if "embed.weight" not in out and head is not None:
             out["embed.weight"] = head  # safetensors kept the shared tensor's other name

@@ -13,9 +13,18 @@ tensor table; tensor data is read with explicit reads of just the rows asked for
   holds element j (low nibble) and element j + 16 (high nibble), ``w = d * q + m``; Q4_0
   has no ``m`` and ``w = d * (q - 8)``, i.e. scale ``d`` and offset ``-8 d``. The nibbles
   are re-paired into kiln's layout (low nibble = even k); values are bit-identical.
-* Everything else (Q8_0, K-quants, Q4 with ``packed=False``): dequantized to float32 by
-  ``gguf.quants.dequantize``, a few MB of rows at a time into the output tensor (so the
-  dequantizer's temporaries stay small next to a 100 MB embedding table).
+* Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights, with ``packed=True``: kept as the
+  file's blocks, a ``GgufLinear`` each (its C++ kernel decodes the blocks in registers;
+  ``kiln.kernels.cpu.gguf_blocks``). A file mixes types per tensor (a Q4_K_M file holds
+  Q4_K, Q5_0, Q6_K and Q8_0 tensors): each layer runs its own type's kernel.
+* A tied head (no ``output`` tensor) whose ``token_embd`` is of one of those types is, with
+  ``packed=True``, the embedding's blocks as stored (``lm_head.weight`` from the same bytes,
+  a ``GgufLinear`` / ``Int4Linear``): faithful and as small as the file. The embedding
+  lookup itself stays a float table (dequantized, as below).
+* Everything else (other quantized types — named in one logged line per type when
+  ``packed=True`` —, every type with ``packed=False``, embeddings, norms): dequantized to
+  float32 by ``gguf.quants.dequantize``, a few MB of rows at a time into the output tensor
+  (so the dequantizer's temporaries stay small next to a 100 MB embedding table).
 
 A fused tensor (GPT-2's and Phi-3's ``attn_qkv``, Phi-3's gate + up ``ffn_up``) becomes one
 entry per part, each reading its own range of rows. For llama, llama.cpp's converter
@@ -27,6 +36,7 @@ heads, reordered, then cut. Gemma's norm weights, stored as ``w + 1``, are read 
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable
 from functools import partial
@@ -38,7 +48,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kiln.compress.modules import Int4Linear
+from kiln.compress.gguf_linear import GgufLinear
+from kiln.compress.modules import CompressedLinear, Int4Linear
 from kiln.models import gguf_families as families
 from kiln.models.config import ConfigError, ModelConfig
 from kiln.models.file_reads import read_bytes
@@ -46,7 +57,10 @@ from kiln.models.readers import LazyTensor, LoadError
 
 Q = gguf.GGMLQuantizationType
 ARCHITECTURES = families.ARCHITECTURES
-_PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32
+_PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32: -> Int4Linear
+_KEPT = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # kept as their blocks: GgufLinear
+_FLOATS = (Q.F32, Q.F16, Q.BF16, Q.F64)
+_log = logging.getLogger(__name__)
 _CHUNK_BYTES = 8 * 2**20  # fp32 bytes dequantized at a time
 
 
@@ -174,27 +188,46 @@ def _head_rows(
 
 
 def _cut_rows(value: Any, start: int, stop: int) -> Any:
-    """Rows [start, stop) of a float tensor (copied) or of an ``Int4Linear``."""
-    if isinstance(value, Int4Linear):
+    """Rows [start, stop) of a float tensor (copied) or of a packed layer."""
+    if isinstance(value, CompressedLinear):
         return value.slice_rows(start, stop)
     return value[start:stop].contiguous()
 
 
+def is_packed_linear(t: Any, packed: bool, linear: bool) -> bool:
+    """Whether tensor ``t`` is read as a packed layer (``Int4Linear`` / ``GgufLinear``)."""
+    return packed and linear and len(t.shape) == 2 and t.tensor_type in (*_PACKABLE, *_KEPT)
+
+
 def _lazy(
     t: Any, path: Path, packed: bool, rows: tuple[int, int] | None = None,
-    per_head: int | None = None, shift: float = 0.0,
+    per_head: int | None = None, shift: float = 0.0, linear: bool | None = None,
 ) -> LazyTensor:  # fmt: skip
-    """How to read tensor ``t``, or its rows ``rows`` (a part of a fused tensor): packed INT4
+    """How to read tensor ``t``, or its rows ``rows`` (a part of a fused tensor): packed
     layer, or float. ``per_head``: the rows are permuted within heads of that many rows
     (llama's q/k weights and biases: the converter permutes both); ``shift`` is subtracted
-    from the values (Gemma's norm weights)."""
+    from the values (Gemma's norm weights); ``linear``: read as a linear layer's weight
+    (default: by its name)."""
     full = tuple(int(s) for s in reversed(t.shape))  # (N,) or (N, K)
     base, end = rows or (0, full[0])
     shape = (end - base, *full[1:])
     origin = f"{t.name} ({t.tensor_type.name}) in {path.name}"
     origin += "" if rows is None else f" [rows {base}:{end}]"
-    linear = t.name.split(".")[-2] in families.LINEARS and len(shape) == 2
-    if packed and linear and t.tensor_type in _PACKABLE:
+    if linear is None:
+        linear = t.name.split(".")[-2] in families.LINEARS
+    if is_packed_linear(t, packed, linear) and t.tensor_type in _KEPT:
+        kind, k = int(t.tensor_type), shape[1]
+
+        def block_rows(start: int, stop: int) -> GgufLinear:
+            raw = torch.from_numpy(_stored_rows(path, t, base + start, base + stop))
+            return GgufLinear(raw, kind, k, bias=None)  # (rows, K / elems * bytes) uint8
+
+        def reorder_blocks(layer: GgufLinear, n: int) -> GgufLinear:
+            return GgufLinear(unpermute_rows(layer.blocks, n), kind, k, bias=None)
+
+        read = partial(_head_rows, block_rows, per_head, reorder_blocks)
+        return LazyTensor(origin, shape, read, compressed=True)
+    if is_packed_linear(t, packed, linear):
 
         def packed_rows(start: int, stop: int) -> Int4Linear:
             raw = _stored_rows(path, t, base + start, base + stop)
@@ -207,7 +240,8 @@ def _lazy(
             )
             return Int4Linear(q, scale, offset, group_size=32, bias=None)
 
-        return LazyTensor(origin, shape, partial(_head_rows, packed_rows, per_head, reorder_layer))
+        read = partial(_head_rows, packed_rows, per_head, reorder_layer)
+        return LazyTensor(origin, shape, read, compressed=True)
 
     def float_rows(start: int, stop: int) -> Tensor:
         value = _float_rows(path, t, full, base + start, base + stop)
@@ -226,15 +260,23 @@ def read_tensors(
     reader: gguf.GGUFReader, cfg: ModelConfig, path: Path, packed: bool
 ) -> dict[str, LazyTensor]:
     """Every tensor of the file under kiln's names, not read yet; a fused tensor (``attn_qkv``,
-    Phi-3's ``ffn_up``) gives one entry per part, each reading its own rows."""
+    Phi-3's ``ffn_up``) gives one entry per part, each reading its own rows. With ``packed``,
+    a tied head stored in a packed type is ``lm_head.weight``, read from ``token_embd``'s
+    bytes; a linear weight of a quantized type kiln has no kernel for is logged (one line
+    per type) and dequantized."""
     out: dict[str, LazyTensor] = {}
     permuted = cfg.family in families.PERMUTED_QK
     norm_shift = families.NORM_SHIFT.get(cfg.family, 0.0)
+    unpacked: dict[str, int] = {}  # quantized types of linear weights read as float
     for t in reader.tensors:
         targets = families.kiln_names(cfg.family, t.name)
         if targets is None:
             raise LoadError(f"{path}: unexpected tensor {t.name!r} (no {cfg.family} parameter "
                             "of kiln's model matches it)")  # fmt: skip
+        linear = t.name.split(".")[-2] in families.LINEARS and len(t.shape) == 2
+        quantized = linear and t.tensor_type not in _FLOATS
+        if packed and quantized and not is_packed_linear(t, packed, linear):
+            unpacked[t.tensor_type.name] = unpacked.get(t.tensor_type.name, 0) + 1
         n = int(t.shape[-1])  # rows
         if len(targets) > 1:
             sizes = [families.part_rows(cfg, target) for target in targets]
@@ -251,6 +293,12 @@ def read_tensors(
         per_head = cfg.head_dim if permuted and heads and n == heads * cfg.head_dim else None
         shift = norm_shift if t.name.endswith("norm.weight") else 0.0
         out[targets[0]] = _lazy(t, path, packed, per_head=per_head, shift=shift)
+        tied_head = t.name == "token_embd.weight" and cfg.tie_embeddings
+        if tied_head and is_packed_linear(t, packed, linear=True):  # the head as stored
+            out["lm_head.weight"] = _lazy(t, path, packed, linear=True)
+    for name, count in unpacked.items():
+        _log.warning("%s: %d linear weight(s) stored as %s, which kiln has no packed kernel "
+                     "for, are dequantized to float", path.name, count, name)  # fmt: skip
     return out
 
 

@@ -39,13 +39,15 @@ class LazyTensor:
     the ``nn.Linear`` owning the weight. ``view``, where the stored tensor is the value as
     it is (no dequantizing, reordering or transposing), returns it as a zero-copy view of
     the memory-mapped file instead (pages it touches count as this process's memory while
-    the file is mapped).
+    the file is mapped). ``compressed``: ``read`` gives a ``CompressedLinear`` (a packed
+    layer replacing the ``nn.Linear``), not a tensor.
     """
 
     origin: str
     shape: tuple[int, ...]
     read_rows: Callable[[int, int], Tensor | CompressedLinear]
     view: Callable[[], Tensor] | None = None
+    compressed: bool = False
 
     def read(self) -> Tensor | CompressedLinear:
         """The whole value, in new memory."""

@@ -5,15 +5,18 @@ The whole-step tests (against the eager Transformer) are tests/llm/test_decode.p
 
 from __future__ import annotations
 
+import gguf
 import pytest
 import torch
 import torch.nn.functional as F
 
 from kiln.compress.quantizers import quantize_int4, quantize_int8
 from kiln.core import native
+from kiln.kernels.cpu.gguf_blocks import reference_dequantize
 from kiln.kernels.formats import dequantize_int4, dequantize_int8, pack_int4
 from kiln.llm.native import step as decode
 from tests.support.compare import assert_close_to_reference
+from tests.support.gguf_quants import random_blocks
 from tests.support.native import quoted_includes
 
 TOL = 1e-5  # fp32 dot products of <= 600 terms, summed in another order than MKL
@@ -64,6 +67,17 @@ def test_int4_linear(m: int, group: int, bias: bool) -> None:
     b = torch.randn(72) if bias else None
     got = decode.linear(decode.int4_args(packed, scale, offset, group, b), x)
     ref = F.linear(x, dequantize_int4(packed, scale, offset, group), b)
+    assert_close_to_reference(got, ref, rtol_to_max=TOL)
+
+
+@pytest.mark.parametrize("m", [1, 3, 9])
+@pytest.mark.parametrize("kind", [8, 12, 13, 14, 6], ids=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+def test_gguf_linear(m: int, kind: int) -> None:
+    """A GGUF tensor's blocks as stored (the record's group is the ggml type), with bias."""
+    raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType(kind), 37, 512))
+    x, b = torch.randn(m, 512), torch.randn(37)
+    got = decode.linear(decode.gguf_args(raw, kind, 512, b), x)
+    ref = F.linear(x, reference_dequantize(raw, kind, 512), b)
     assert_close_to_reference(got, ref, rtol_to_max=TOL)
 
 

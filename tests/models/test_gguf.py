@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch import nn
 
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.compress.modules import Int4Linear
 from kiln.models import catalog
 from kiln.models.gguf import q4_to_int4, unpermute_rows
@@ -62,7 +63,8 @@ def test_tiny_gguf_matches_transformers(packed: bool, tmp_path: Path) -> None:
     module = loaded.model.get_submodule
     kinds = {type(module("layers.0.attn.q")), type(module("lm_head"))}
     assert kinds == ({Int4Linear} if packed else {nn.Linear})
-    assert type(module("layers.0.attn.v")) is nn.Linear  # Q8_0: dequantized
+    # Q8_0: kept as the file's blocks when packed, dequantized otherwise
+    assert type(module("layers.0.attn.v")) is (GgufLinear if packed else nn.Linear)
     assert loaded.tokenizer is None  # the tiny file carries no tokenizer
 
 

@@ -80,7 +80,9 @@ class KilnDecode:
             loaded = load_model("smollm2", dtype, packed=packed, with_tokenizer=False)
             self.model, source = loaded.model, str(loaded.source)
         self.model.eval()
-        if self.variant == "int4":  # INT8 head, as llama.cpp's Q8_0 table (113 MB fp32 else)
+        # A float head becomes INT8 (113 MB fp32 else); the packed GGUF's own Q8_0 table,
+        # already the head as stored (GgufLinear), is left as it is (quantize_ skips it).
+        if self.variant == "int4":
             from kiln.compress.configs import Int8WeightOnly
             from kiln.llm.fast_decoder import quantize_head_
 
@@ -121,7 +123,7 @@ class KilnDecode:
             "dtype": {"int4": "int4 packed", "bf16": "bfloat16"}.get(self.variant, "float32"),
             "threads": torch.get_num_threads(),
             # What one step reads: blocks, final norm and head. An untied fp32 embedding
-            # table (kiln-int4 reads an INT8 head instead) is looked up one row per token.
+            # table (kiln-int4 reads the file's Q8_0 head instead) is looked up one row per token.
             "weight_bytes": weight_bytes_per_token(self.model),
             "kv_bytes_per_position": kv,
             "kv_note": kv_note,

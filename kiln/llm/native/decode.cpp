@@ -11,7 +11,8 @@
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
 // head, soft-cap.
 // Linear layers: dense fp32 / bf16 / fp16 weights through decode_gemv.h, INT8 / INT4
-// weight-only through woq.h's kernels (kiln/kernels/cpu, namespace woq). A bf16 / fp16
+// weight-only through woq.h's kernels (kiln/kernels/cpu, namespace woq), GGUF tensors'
+// blocks as stored through gguf_blocks.h (namespace kgguf). A bf16 / fp16
 // model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are
 // fp32. Pointwise math uses kiln_vec.h. Threads: one OpenMP region per step on torch's
 // libgomp (the one thread pool), synchronised by work counting (decode_team.h):
@@ -34,28 +35,31 @@
 #include "decode_gemv.h"
 #include "decode_ops.h"
 #include "decode_team.h"
+#include "gguf_blocks.h"  // GGUF blocks decoded in registers: kgguf::run_rows
 #include "kiln_py.h"
 #include "woq.h"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 namespace kdec {
 
 // One linear layer, y (M, N) = x (M, K) @ W.T, prepared as a Task of items (each a run of
-// blocks: 16 output rows for dense weights, kBlockPanels panels for INT8 / INT4).
+// blocks: 16 output rows for dense weights and GGUF blocks, kBlockPanels panels for INT8 /
+// INT4).
 struct LinearJob {
   Lin l;
   int64_t M;
   float* y;
-  int storage;  // the dense kinds' storage code, -1 for INT8 / INT4
+  int storage;  // the dense kinds' storage code, -1 for INT8 / INT4 / GGUF
   DenseArgs f{};
   woq::Int8Args i8{};
   woq::Int4Args i4{};
+  kgguf::Args gg{};
   std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1) or bf16's split pairs;
                                 // INT4 group sums
   int64_t blocks = 0, per_item = 1, items = 0;
 
   LinearJob(const Lin& lin, const float* x, int64_t rows, float* out, int threads)
       : l(lin), M(rows), y(out), storage(dense_storage(lin.kind)) {
-    if (storage < 0 && M > 1) {  // woq kernels read rows interleaved (see woq.h drive)
+    if (storage < 0 && l.kind != kLinGguf && M > 1) {  // woq reads rows interleaved (drive)
       xt = woq::interleave_rows(x, M, l.K);
     }
     const float* xk = xt.empty() ? x : xt.data();
@@ -66,6 +70,10 @@ struct LinearJob {
     if (storage >= 0) {
       f = DenseArgs{x, xt.data(), M, l.K, l.N, l.w, storage, l.bias, y};
       blocks = (l.N + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock;
+    } else if (l.kind == kLinGguf) {  // rows as they are; the bias is added by finish
+      gg = kgguf::Args{x, M, l.K, l.N, static_cast<const uint8_t*>(l.w), static_cast<int>(l.g),
+                       nullptr, y};
+      blocks = (l.N + kgguf::kRowsPerItem - 1) / kgguf::kRowsPerItem;
     } else {
       blocks = ((l.N + kv::W - 1) / kv::W + woq::kBlockPanels - 1) / woq::kBlockPanels;
       if (l.kind == kLinInt8) {
@@ -88,6 +96,10 @@ struct LinearJob {
       DenseArgs a = j.f;
       if (scratch) a.y = scratch;
       gemv_dense(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
+    } else if (j.l.kind == kLinGguf) {
+      kgguf::Args a = j.gg;
+      if (scratch) a.y = scratch;
+      kgguf::run_rows(a, b0 * kgguf::kRowsPerItem, std::min(j.l.N, b1 * kgguf::kRowsPerItem));
     } else if (j.l.kind == kLinInt8) {
       woq::Int8Args a = j.i8;
       if (scratch) a.y = scratch;
@@ -102,7 +114,9 @@ struct LinearJob {
   // Copies item i's output columns from a helper's scratch to y.
   static void commit(const void* ctx, int64_t i, const float* scratch) {
     const LinearJob& j = *static_cast<const LinearJob*>(ctx);
-    const int64_t unit = j.storage >= 0 ? kGemvRowsPerBlock : woq::kBlockPanels * kv::W;
+    const int64_t unit = j.storage >= 0        ? kGemvRowsPerBlock
+                         : j.l.kind == kLinGguf ? kgguf::kRowsPerItem
+                                                : woq::kBlockPanels * kv::W;
     const int64_t n0 = i * j.per_item * unit, n1 = std::min(j.l.N, (i + 1) * j.per_item * unit);
     for (int64_t r = 0; r < j.M; ++r)
       std::memcpy(j.y + r * j.l.N + n0, scratch + r * j.l.N + n0, sizeof(float) * (n1 - n0));
@@ -199,6 +213,9 @@ int team_threads(int64_t requested, int64_t bytes) {
 int64_t weight_bytes(const Lin& l) {
   if (l.kind < 0) return 0;
   const int64_t n = l.N * l.K, s = dense_storage(l.kind);
+  int64_t elems = 1, bytes = 1;
+  if (l.kind == kLinGguf && kgguf::block_shape(static_cast<int>(l.g), elems, bytes))
+    return n / elems * bytes;
   return s >= 0 ? storage_bytes(static_cast<int>(s)) * n : (l.kind == kLinInt8 ? n : n / 2);
 }
 
@@ -393,7 +410,10 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Reader r{reinterpret_cast<const int64_t*>(v[0])};
   const Lin l = r.lin();
   return released("linear", [&]() -> std::string {
-    if (l.kind < kLinFp32 || l.kind > kLinFp16) return "unknown kind " + std::to_string(l.kind);
+    if (l.kind < kLinFp32 || l.kind > kLinGguf) return "unknown kind " + std::to_string(l.kind);
+    int64_t elems, bytes;
+    if (l.kind == kLinGguf && !kgguf::block_shape(static_cast<int>(l.g), elems, bytes))
+      return "no GGUF block kernel for ggml type " + std::to_string(l.g);
     const auto* x = reinterpret_cast<const float*>(v[1]);
     auto* y = reinterpret_cast<float*>(v[3]);
     const int nt = team_threads(v[4], weight_bytes(l));

@@ -2,7 +2,8 @@
 //
 // Descriptor (all int64; F = a double's bits, P = a pointer, NORM = P weight, P bias
 // (0 = absent; weight 0 = no norm), LIN = kind (-1 none, 0 fp32, 1 int8, 2 int4, 3 bf16,
-// 4 fp16), N, K, group, P weight, P scale, P bias; S = a storage code of decode_half.h):
+// 4 fp16, 5 GGUF blocks), N, K, group (GGUF: the ggml type), P weight, P scale, P bias;
+// S = a storage code of decode_half.h):
 //   header: kMagic, n_layers, B, C, H, Hkv, D, F_inter, V, max_len, norm_kind (0 rms,
 //           1 layer), F eps, F norm_offset, act (0 silu, 1 gelu, 2 gelu_tanh, 3 relu),
 //           F attn_scale, F attn_softcap (0 none), F final_softcap (0 none), F embed_scale,
@@ -23,10 +24,12 @@ namespace kdec {
 constexpr int64_t kMagic = 0x6B696C6E64656302;  // "kilndec" + layout version 2
 constexpr int64_t kLayerEnd = 0x6C61796572656E64;
 
-// Linear kinds: dense (a weight matrix of one storage type) or woq.h's packed layouts.
-enum : int64_t { kLinFp32 = 0, kLinInt8 = 1, kLinInt4 = 2, kLinBf16 = 3, kLinFp16 = 4 };
+// Linear kinds: dense (a weight matrix of one storage type), woq.h's packed layouts, or a
+// GGUF tensor's blocks as stored (gguf_blocks.h; the record's group is the ggml type).
+enum : int64_t { kLinFp32 = 0, kLinInt8 = 1, kLinInt4 = 2, kLinBf16 = 3, kLinFp16 = 4,
+                 kLinGguf = 5 };
 
-// The storage code of a dense kind, or -1 for a packed (woq) kind.
+// The storage code of a dense kind, or -1 for a packed (woq, GGUF) kind.
 inline int dense_storage(int64_t kind) {
   return kind == kLinFp32 ? 0 : (kind == kLinBf16 ? 1 : (kind == kLinFp16 ? 2 : -1));
 }

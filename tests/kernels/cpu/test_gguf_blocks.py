@@ -1,0 +1,133 @@
+"""kiln.kernels.cpu.gguf_blocks: the C++ block kernels (AVX-512 and AVX2 builds) and the
+pure-torch reference dequantizer against the gguf package's ``dequantize``, per type, on
+random valid blocks and on blocks quantized from real-valued weights; the row dispatch
+(kernel / tiles), the fallback without a compiler, argument checks and the build cache."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.core import native
+from kiln.kernels.cpu import gguf_blocks as gb
+from tests.support.compare import assert_close_to_reference
+from tests.support.gguf_quants import quantize, random_blocks
+from tests.support.native import quoted_includes
+
+Q = gguf.GGMLQuantizationType
+TYPES = [Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1]
+# Both vector paths: this CPU's, and AVX2 built with -mno-avx512f on an AVX-512 CPU.
+ISAS = ["avx512", "avx2"] if native.isa() == "avx512" else ["avx2"]
+RTOL = 2e-5  # fp32 sums in another order than MKL's: a few ulps of the largest output
+ROWS = (1, 3, 17)  # one row, a partial register block, more than two chunks of 8
+
+
+def _gguf_values(raw: np.ndarray, kind: Q) -> torch.Tensor:
+    """The independent reference: the gguf package's dequantizer, float32 (N, K)."""
+    return torch.from_numpy(gguf.quants.dequantize(raw, kind).astype(np.float32))
+
+
+def _k(kind: Q) -> int:
+    return 512 if gguf.GGML_QUANT_SIZES[kind][0] == 256 else 96  # 2 super-blocks / 3 blocks
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
+    n, k = 37, _k(kind)  # ragged N: no multiple of any block height
+    raw = random_blocks(kind, n, k, seed=int(kind))
+    w = _gguf_values(raw, kind)
+    blocks = torch.from_numpy(raw)
+    gen = torch.Generator().manual_seed(0)
+    for m in ROWS:
+        x = torch.randn(m, k, generator=gen)
+        assert_close_to_reference(gb.gguf_matmul(x, blocks, int(kind), isa), F.linear(x, w),
+                                  rtol_to_max=RTOL)  # fmt: skip
+    assert torch.equal(gb.dequantize_rows(blocks, int(kind), k, isa), w)  # same values exactly
+
+
+@pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
+def test_reference_dequantizer_is_exact(kind: Q) -> None:
+    """From random blocks and from blocks quantized from weights (the gguf package's
+    quantizer where it has one): the torch reference gives gguf's values to the bit."""
+    k = _k(kind)
+    weights = np.random.default_rng(1).normal(0, 0.2, size=(5, k)).astype(np.float32)
+    for raw in (random_blocks(kind, 7, k, seed=3), quantize(weights, kind)):
+        got = gb.reference_dequantize(torch.from_numpy(raw), int(kind), k)
+        assert torch.equal(got, _gguf_values(raw, kind))
+
+
+@pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
+def test_kernel_on_quantized_weights(kind: Q) -> None:
+    """Realistic blocks (quantized from N(0, 0.2) weights), one thread and two."""
+    raw = quantize(np.random.default_rng(2).normal(0, 0.2, size=(300, 512)), kind)
+    w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
+    x = torch.randn(3, 512)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gb.gguf_matmul(x, blocks, int(kind))
+        torch.set_num_threads(2)
+        two = gb.gguf_matmul(x, blocks, int(kind))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, two)  # each output summed by one thread in a fixed order
+    assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)
+
+
+def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gb, "TILE_ROWS", 16)  # several tiles, the last one partial
+    kind, n, k = Q.Q4_K, 40, 256
+    raw = random_blocks(kind, n, k)
+    w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
+    kernel = gb.GgufKernel(blocks, int(kind), k)
+    assert (kernel.backend(gb.KILN_MAX_ROWS), kernel.backend(gb.KILN_MAX_ROWS + 1)) == (
+        "kiln", "tiles",
+    )  # fmt: skip
+    for shape in ((1, k), (2, 9, k), (gb.KILN_MAX_ROWS + 1, k), (0, k)):
+        x = torch.randn(shape)
+        assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
+
+
+def test_without_a_compiler_the_reference_serves(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(isa: str | None = None) -> None:
+        raise native.KilnCompileError("no compiler here")
+
+    monkeypatch.setattr(gb, "load_extension", broken)
+    raw = random_blocks(Q.Q5_1, 6, 64)
+    with pytest.warns(RuntimeWarning, match="dequantizing tiles in torch"):
+        kernel = gb.gguf_kernel(torch.from_numpy(raw), int(Q.Q5_1), 64)
+    x = torch.randn(2, 64)
+    assert_close_to_reference(kernel(x), F.linear(x, _gguf_values(raw, Q.Q5_1)), rtol_to_max=RTOL)
+
+
+def test_arguments_are_checked() -> None:
+    raw = torch.from_numpy(random_blocks(Q.Q8_0, 4, 64))
+    with pytest.raises(ValueError, match=r"uint8 \(N, 68\)"):
+        gb.gguf_matmul(torch.randn(1, 64), raw[:, :34], int(Q.Q8_0))
+    with pytest.raises(ValueError, match="not a multiple"):
+        gb.check_blocks(raw, int(Q.Q8_0), 48)
+    with pytest.raises(ValueError, match="no kiln block kernel"):
+        gb.check_blocks(raw, int(Q.Q2_K), 256)
+    with pytest.raises(ValueError, match="float32 CPU tensor"):
+        gb.gguf_matmul(torch.randn(1, 64).double(), raw, int(Q.Q8_0))
+    with pytest.raises(ValueError, match="has no kiln block kernel"):
+        gb.load_extension().mm(int(Q.Q2_K), 0, 0, 0, 0, 0, 0)  # the C++ side checks too
+    with pytest.raises(ValueError, match="isa must be"):
+        gb.load_extension("sse2")
+
+
+def test_isa_builds_and_cache_key() -> None:
+    lanes = {"avx512": 16, "avx2": 8}
+    for isa in ISAS:
+        assert gb.load_extension(isa).lanes() == lanes[isa]
+    assert gb.load_extension().lanes() == lanes[native.isa()]
+    if len(ISAS) == 2:
+        assert gb.extension_key("avx2") != gb.extension_key("avx512")
+    assert gb.SOURCES[0].name == "gguf_blocks.cpp"
+    included = quoted_includes(gb.SOURCES[0], [native.INCLUDE])
+    assert included <= {p.resolve() for p in gb.SOURCES}
+    assert {p.name for p in included} >= {"gguf_blocks.h", "kiln_vec.h", "kiln_py.h"}
