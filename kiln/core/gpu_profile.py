@@ -254,7 +254,7 @@ def save_gpu_profile(profile: GpuProfile, device_name: str) -> Path:
 
 
 # -- calibration (needs CUDA) ---------------------------------------------------------
-def _gpu_us(fn: Any, reps: int, trials: int = 5) -> float:
+def gpu_time_us(fn: Any, reps: int, trials: int = 5) -> float:
     """Fastest mean GPU time (µs) of ``reps`` back-to-back ``fn()`` over ``trials``."""
     fn()
     torch.cuda.synchronize()
@@ -276,7 +276,7 @@ def _gemm_tflops(n: int, dtype: torch.dtype, dev: torch.device, tf32: bool = Fal
     try:
         a, b = (torch.randn(n, n, device=dev, dtype=dtype) for _ in range(2))
         c = torch.empty(n, n, device=dev, dtype=dtype)
-        return 2.0 * n**3 / (_gpu_us(lambda: torch.mm(a, b, out=c), reps=3) * 1e6)
+        return 2.0 * n**3 / (gpu_time_us(lambda: torch.mm(a, b, out=c), reps=3) * 1e6)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
 
@@ -285,7 +285,7 @@ def _copy_gbs(dev: torch.device) -> float:
     """Copy bandwidth (bytes read + written per second, GB/s) over 512 MiB of float32."""
     src = torch.empty(128 * MIB, device=dev)
     dst = torch.empty_like(src)
-    return 2 * src.nbytes / (_gpu_us(lambda: dst.copy_(src), reps=5) * 1e3)
+    return 2 * src.nbytes / (gpu_time_us(lambda: dst.copy_(src), reps=5) * 1e3)
 
 
 def _launch_us(nodes: int = 200) -> tuple[float, float]:
@@ -298,7 +298,7 @@ def _launch_us(nodes: int = 200) -> tuple[float, float]:
     with torch.cuda.graph(graph):
         for _ in range(nodes):
             x.add_(1.0)
-    graph_us = _gpu_us(graph.replay, reps=5) / nodes
+    graph_us = gpu_time_us(graph.replay, reps=5) / nodes
     plain = float("inf")
     for _ in range(5):
         torch.cuda.synchronize()

@@ -21,6 +21,7 @@ import torch
 
 from kiln.compiler.codegen.gpu.source import Launch
 from kiln.core.cache import cache_dir
+from kiln.core.gpu_profile import gpu_time_us
 
 
 def tune_path(device: torch.device) -> Path:
@@ -52,7 +53,7 @@ def tune(launches: list[tuple[Launch, Callable[[], None]]], device: torch.device
         for i in range(len(launch.variants)):
             launch.choice = i
             try:
-                us = _time_us(run)
+                us = gpu_time_us(run, reps=10, trials=3)
             except Exception:  # noqa: BLE001 - a variant that does not fit (registers, smem)
                 continue
             if us < best_us:
@@ -64,18 +65,3 @@ def tune(launches: list[tuple[Launch, Callable[[], None]]], device: torch.device
         tmp.write_text(json.dumps(table, sort_keys=True), encoding="utf-8")
         tmp.replace(path)
     return timed
-
-
-def _time_us(run: Callable[[], None], reps: int = 10, trials: int = 3) -> float:
-    run()  # compiles this variant
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(trials):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            run()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
