@@ -178,9 +178,14 @@ def encode_prompt(tokenizer: Any, prompt: str, chat: bool) -> torch.Tensor:
 def choose_decoder(
     model: Transformer, request: GenerateRequest, batch: int, max_len: int
 ) -> tuple[Decoder, str]:
-    """The fast C++ step when asked for (or ``auto`` and it can run the model), else eager."""
+    """A model on a GPU: its step as one CUDA graph. Else the fast C++ step when asked for
+    (or ``auto`` and it can run the model), else eager."""
     if request.engine == "eager":
         return EagerDecoder(model, batch, max_len), "eager (asked for)"
+    if next(model.parameters()).device.type == "cuda":
+        from kiln.llm.graph_decoder import GraphDecoder
+
+        return GraphDecoder(model, batch, max_len), "decode step as one CUDA graph"
     from kiln.llm.fast_decoder import DecodeUnsupported, FastDecoder
 
     try:

@@ -25,6 +25,9 @@ class KVCache:
     keys: dict[int, Tensor]  # layer -> (B, Hkv, S, D)
     values: dict[int, Tensor]
     max_len: int
+    # static: positions arrive as a device tensor and attention reads all max_len slots
+    # behind a mask, so a step has fixed shapes and no host sync (CUDA-graph capturable)
+    static: bool = False
 
     @classmethod
     def empty(
@@ -56,6 +59,16 @@ class KVCache:
         keys[:, :, start:stop].copy_(k)
         values[:, :, start:stop].copy_(v)
         return keys[:, :, :stop], values[:, :, :stop]
+
+    def write_at(
+        self, layer: int, positions: Tensor, k: Tensor, v: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Store k, v (B, Hkv, T, D) at the slots ``positions`` (T,), a device tensor (no
+        host sync); return all ``max_len`` slots of keys and values."""
+        keys, values = self.keys[layer], self.values[layer]
+        keys.index_copy_(2, positions, k)
+        values.index_copy_(2, positions, v)
+        return keys, values
 
     def nbytes(self) -> int:
         tensors = [*self.keys.values(), *self.values.values()]

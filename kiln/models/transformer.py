@@ -109,16 +109,30 @@ class Attention(nn.Module):
                 rotate(q, cos.to(q.dtype), sin.to(q.dtype)),
                 rotate(k, cos.to(k.dtype), sin.to(k.dtype)),
             )
-        start = int(positions[0])
-        keys, values = cache.write(self.layer, start, k, v)  # (B, Hkv, S, D), S = start + T
-        y = self._attend(q, keys, values, positions)  # (B, H, T, D)
+        if cache.static:  # all max_len slots, masked: fixed shapes, no host sync
+            keys, values = cache.write_at(self.layer, positions, k, v)
+        else:
+            start = int(positions[0])
+            keys, values = cache.write(self.layer, start, k, v)  # (B, Hkv, start + T, D)
+        y = self._attend(q, keys, values, positions, cache.static)  # (B, H, T, D)
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> Tensor:
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, positions: Tensor, static: bool = False
+    ) -> Tensor:
         b, h, t, d = q.shape
         s, hkv = k.shape[2], k.shape[1]
         mask = None
-        if t > 1 or (self.window is not None and s > self.window):
+        # A prompt from position 0 (the keys are the queries' own positions) within the
+        # window sees exactly the causal triangle: SDPA's is_causal then runs torch's flash
+        # kernel, which builds neither the (T, S) mask nor the scores (SmolLM2's heads, 2
+        # threads: 4x faster at 512 tokens, 2x at 2048, the same values).
+        causal = not static and 1 < t == s and (self.window is None or s <= self.window)
+        if causal and self.softcap is None:
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale, enable_gqa=hkv != h
+            )
+        if static or t > 1 or (self.window is not None and s > self.window):
             mask = attention_mask(positions, s, self.window)  # (T, S)
         if self.softcap is None:
             return F.scaled_dot_product_attention(
@@ -239,6 +253,13 @@ class Transformer(nn.Module):
                 f"{start + tokens.shape[1]} tokens do not fit the cache ({cache.max_len})"
             )
         positions = torch.arange(start, start + tokens.shape[1], device=tokens.device)
+        return self.forward_at(tokens, positions, cache, last_only)
+
+    def forward_at(
+        self, tokens: Tensor, positions: Tensor, cache: KVCache, last_only: bool = False
+    ) -> Tensor:
+        """``forward`` with the positions (T,) given as a tensor: with a static cache, a
+        decode step that never reads a value back to the host (what a CUDA graph replays)."""
         x = self.embed_tokens(tokens, positions)
         for block in self.layers:
             x = block(x, positions, cache)
