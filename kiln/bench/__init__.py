@@ -10,7 +10,7 @@ import any part of kiln; nothing in the library imports it except the CLI's ``de
 * ``suite_worker``  -- the per-contender worker process the runner starts.
 * ``suite_runner``  -- ``run_suite``: interleaved rounds, ratios, errors, roofline.
 * ``suite_table``   -- ``render_table`` / ``update_readme``.
-* ``gemm``, ``llm_decode``, ``speculative_rounds``, ``quant_matmul``, ``compression``,
+* ``gemm``, ``llm_decode``, ``prefill``, ``speculative_rounds``, ``quant_matmul``, ``compression``,
   ``offload_memory``, ``gpu_quant`` -- the other runs, each ``python -m kiln.bench.<name>``.
 
 Results go to ``results/`` under the working directory (the repository root when run as

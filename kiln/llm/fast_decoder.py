@@ -19,7 +19,8 @@ Usage::
 
 A prompt of up to ``STEP_PREFILL_MAX`` rows (batch x tokens) is prefilled by C++ steps of
 up to ``max_chunk`` rows (``extend``); a longer one by the eager model, whose matmuls then
-win. The prefill and every step share ``dec.cache`` (the model's own KVCache), so eager
+win (INT8 / INT4 / GGUF layers through kiln's prefill GEMM, ``kiln.kernels.cpu.packed_gemm``;
+a prompt from position 0 attends with SDPA's causal flash kernel). The prefill and every step share ``dec.cache`` (the model's own KVCache), so eager
 and fast steps can be mixed. The decoder points at the model's tensors as they are when it is
 built: build it after the last change to the model (quantize_ etc.). One decoder runs one
 step at a time (its workspace is shared; the step releases the GIL). A model the C++ step cannot run exactly (a linear layer of

@@ -1,7 +1,8 @@
 """kiln.kernels.cpu.gguf_blocks: the C++ block kernels (AVX-512 and AVX2 builds) and the
 pure-torch reference dequantizer against the gguf package's ``dequantize``, per type, on
 random valid blocks and on blocks quantized from real-valued weights; the row dispatch
-(kernel / tiles), the fallback without a compiler, argument checks and the build cache."""
+(kernel / prefill GEMM / tiles), the fallback without a compiler, argument checks and the
+build cache. (The prefill GEMM itself: test_packed_gemm.py.)"""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch.nn.functional as F
 
 from kiln.core import native
 from kiln.kernels.cpu import gguf_blocks as gb
+from kiln.kernels.cpu import packed_gemm as pg
 from tests.support.compare import assert_close_to_reference
 from tests.support.gguf_quants import quantize, random_blocks
 from tests.support.native import quoted_includes
@@ -78,16 +80,28 @@ def test_kernel_on_quantized_weights(kind: Q) -> None:
     assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)
 
 
-def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "tiles"])
+def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, gemm: bool) -> None:
+    """The decode kernel up to KILN_MAX_ROWS, then the prefill GEMM, or (when it cannot be
+    built, with a warning) dequantized tiles."""
     monkeypatch.setattr(gb, "TILE_ROWS", 16)  # several tiles, the last one partial
     kind, n, k = Q.Q4_K, 40, 256
     raw = random_blocks(kind, n, k)
     w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
-    kernel = gb.GgufKernel(blocks, int(kind), k)
+    if gemm:
+        kernel = gb.GgufKernel(blocks, int(kind), k)
+    else:
+
+        def broken(isa: str | None = None) -> None:
+            raise native.KilnCompileError("no compiler here")
+
+        monkeypatch.setattr(pg, "load_extension", broken)
+        with pytest.warns(RuntimeWarning, match="dequantizing tiles for many rows"):
+            kernel = gb.GgufKernel(blocks, int(kind), k)
     assert (kernel.backend(gb.KILN_MAX_ROWS), kernel.backend(gb.KILN_MAX_ROWS + 1)) == (
-        "kiln", "tiles",
+        "kiln", "gemm" if gemm else "tiles",
     )  # fmt: skip
-    for shape in ((1, k), (2, 9, k), (gb.KILN_MAX_ROWS + 1, k), (0, k)):
+    for shape in ((1, k), (2, 9, k), (gb.KILN_MAX_ROWS + 1, k), (3, 40, k), (0, k)):
         x = torch.randn(shape)
         assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
 

@@ -45,7 +45,7 @@ def lanes() -> int:
 
 
 # ------------------------------------------------------------------ backends vs reference
-@pytest.mark.parametrize("backend", ["kiln", "torch", "dequant", "auto"])
+@pytest.mark.parametrize("backend", ["kiln", "gemm", "torch", "dequant", "auto"])
 @pytest.mark.parametrize("n,k", [(576, 576), (13, 64), (40, 37)])
 def test_int8_backends_match_reference(backend: cw.Backend, n: int, k: int) -> None:
     q, s = _int8(n, k)
@@ -68,7 +68,7 @@ def test_kiln_int4_matches_reference(n: int, k: int, g: int, symmetric: bool) ->
         assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
 
 
-@pytest.mark.parametrize("backend", ["torch", "dequant", "auto"])
+@pytest.mark.parametrize("backend", ["gemm", "torch", "dequant", "auto"])
 def test_other_int4_backends_match_reference(backend: cw.Backend) -> None:
     packed, scale, offset = _int4(48, 256, 64, symmetric=False)  # torch's kernel: N % 16 == 0
     kernel = cw.cpu_int4_kernel(packed, scale, offset, 64, backend)
@@ -78,11 +78,11 @@ def test_other_int4_backends_match_reference(backend: cw.Backend) -> None:
         assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
 
 
-def test_auto_picks_kiln_for_decode_rows_and_dequant_for_prefill() -> None:
+def test_auto_picks_kiln_for_decode_rows_and_gemm_for_prefill() -> None:
     q, s = _int8(32, 64)
     kernel = cw.cpu_int8_kernel(q, s)
     assert [kernel.backend(m) for m in (1, 8, cw.KILN_MAX_ROWS)] == ["kiln"] * 3
-    assert kernel.backend(cw.KILN_MAX_ROWS + 1) == "dequant"
+    assert kernel.backend(cw.KILN_MAX_ROWS + 1) == "gemm"
     x = torch.randn(cw.KILN_MAX_ROWS + 1, 64)
     assert_close_to_reference(kernel(x), F.linear(x, dequantize_int8(q, s)), rtol_to_max=RTOL)
     assert cw.cpu_int8_kernel(q, s, "torch").backend(1) == "torch"
