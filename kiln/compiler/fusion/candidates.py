@@ -1,8 +1,10 @@
 """Candidate kernels: template-legal, convex, connected sets of primitive nodes.
 
 A ``Candidate`` is a set of IR nodes plus the codegen template that runs it
-(``pointwise``, ``reduction``, ``gemm``, ``conv`` or ``single``; the rules are
-in ``legal_template``). ``out(k)`` are the values it must store (graph outputs
+(``pointwise``, ``reduction``, ``gemm``, ``conv``, ``dwconv`` or ``single``; the rules
+are in ``legal_template``). A node set may have two templates (a depthwise conv with a
+bias and a ReLU runs natively as ``dwconv`` or through oneDNN as ``conv``): each is a
+candidate of its own, and the cost model picks. ``out(k)`` are the values it must store (graph outputs
 or values read outside the kernel, views included); ``in(k)`` are the storage
 roots it reads that it does not produce (constants excluded: always available).
 
@@ -26,11 +28,17 @@ from dataclasses import dataclass
 import torch
 
 from kiln.compiler.fusion.aliases import GraphIndex, members
-from kiln.compiler.ir.graph import LAYOUT_VIEWS, Graph, Node, OpClass, ValueKind
+from kiln.compiler.fusion.convs import (
+    is_depthwise_conv,
+    is_pointwise_conv,
+    onednn_chained,
+    onednn_post_ops_ok,
+)
+from kiln.compiler.ir.graph import LAYOUT_VIEWS, Graph, Node, OpClass
 
 log = logging.getLogger(__name__)
 
-TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "single")
+TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "dwconv", "single")
 BOOL_OPS = frozenset(
     {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
 )
@@ -65,8 +73,12 @@ class Candidate:
 
 
 # -- per-node facts ------------------------------------------------------------
-def _node_kind(graph: Graph, node: Node, dtypes: tuple[torch.dtype, ...]) -> str:
-    """'pw', 'red', 'mm', 'conv' for nodes a native template may hold, else 'other'.
+def _node_kind(
+    graph: Graph, node: Node, dtypes: tuple[torch.dtype, ...], chained: set[str] | None
+) -> str:
+    """'pw', 'red', 'mm', 'conv', 'dw' (a depthwise conv the CPU's native template runs,
+    see ``convs.py``: not one of the ``chained``; None: no such template), 'pwc' (a 1x1
+    conv the CPU's gemm template runs) for nodes a native template may hold, else 'other'.
 
     Native templates compute in float (bool only from comparison/logical ops and casts),
     on values of the target's ``dtypes``.
@@ -86,6 +98,10 @@ def _node_kind(graph: Graph, node: Node, dtypes: tuple[torch.dtype, ...]) -> str
         return "red"
     if node.op in ("mm", "bmm"):
         return "mm"
+    if chained is not None and node.name not in chained and is_depthwise_conv(graph, node):
+        return "dw"
+    if chained is not None and is_pointwise_conv(graph, node):
+        return "pwc"
     return "conv" if node.op == "conv" else "other"
 
 
@@ -99,14 +115,15 @@ class TemplateRules:
         self.ix = index
         self.target = target
         g = index.graph
-        self.kind = [_node_kind(g, n, target.dtypes) for n in index.nodes]
+        chained = onednn_chained(g) if target.name == "cpu" else None
+        self.kind = [_node_kind(g, n, target.dtypes, chained) for n in index.nodes]
         self.shape = [g.meta(n.output).shape for n in index.nodes]
         self.blocked = 0  # nodes that never share a kernel
         self.heavy = 0  # mm/bmm/conv: at most one per kernel
         for i, k in enumerate(self.kind):
             if k in ("view", "other"):
                 self.blocked |= 1 << i
-            if k in ("mm", "conv"):
+            if k in ("mm", "conv", "dw", "pwc"):
                 self.heavy |= 1 << i
 
     def _red_key(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -131,7 +148,7 @@ class TemplateRules:
             k = kinds[i]
             if k == "red":
                 red_keys.add(self._red_key(i))
-            elif k == "mm":
+            elif k in ("mm", "dw", "pwc"):  # a superset of what the conv template allows
                 mm_shape = self.shape[i]
             elif k == "pw":
                 shapes.add(self.shape[i])
@@ -148,26 +165,44 @@ class TemplateRules:
         return True
 
     def template(self, mask: int) -> str | None:
-        """The template that runs this node set, or None if no template is legal."""
+        """The template that runs this node set (the first of ``templates``), or None if
+        no template is legal."""
+        return next(iter(self.templates(mask)), None)
+
+    def templates(self, mask: int) -> list[str]:
+        """Every template that may run this node set: a depthwise or 1x1 conv with oneDNN's
+        post-ops runs natively (``dwconv`` / ``gemm``) or as oneDNN's call (``conv``);
+        other sets have at most one."""
+        main = self._template(mask)
+        heavy = self.heavy & mask
+        if main in ("dwconv", "gemm") and self.ix.nodes[heavy.bit_length() - 1].op == "conv":
+            eps = list(members(mask & ~heavy))
+            if onednn_post_ops_ok(self.ix, mask, heavy.bit_length() - 1, eps):
+                return [main, "conv"]
+        return [main] if main else []
+
+    def _template(self, mask: int) -> str | None:
         ix = self.ix
         if not mask or mask & ~ix.fusible:
             return None
         if mask.bit_count() == 1:
             k = self.kind[mask.bit_length() - 1]
-            return {"pw": "pointwise", "red": "reduction", "mm": "gemm", "conv": "conv"}.get(
-                k, "single"
-            )
+            single = {"pw": "pointwise", "red": "reduction", "mm": "gemm", "conv": "conv"}
+            return {**single, "dw": "dwconv", "pwc": "gemm"}.get(k, "single")
         if self.target.chains and (mask & self.heavy).bit_count() > 1:
             return "chain" if self._chain_ok(mask) else None
         if not self.extendable(mask) or not ix.is_convex(mask) or not self._connected(mask):
             return None
-        by_kind: dict[str, list[int]] = {"pw": [], "red": [], "mm": [], "conv": []}
+        by_kind: dict[str, list[int]] = {k: [] for k in ("pw", "red", "mm", "conv", "dw", "pwc")}
         for i in members(mask):
             by_kind[self.kind[i]].append(i)
-        if by_kind["mm"]:
-            return "gemm" if self._gemm_ok(mask, by_kind["mm"][0]) else None
+        if by_kind["mm"] or by_kind["pwc"]:
+            return "gemm" if self._gemm_ok(mask, (by_kind["mm"] + by_kind["pwc"])[0]) else None
+        if by_kind["dw"]:
+            return "dwconv" if self._gemm_ok(mask, by_kind["dw"][0]) else None
         if by_kind["conv"]:
-            return "conv" if self._conv_ok(mask, by_kind["conv"][0], by_kind["pw"]) else None
+            conv_ok = onednn_post_ops_ok(self.ix, mask, by_kind["conv"][0], by_kind["pw"])
+            return "conv" if conv_ok else None
         if by_kind["red"]:
             return "reduction" if self._reduction_ok(mask, by_kind["red"][0]) else None
         # pointwise: in-kernel reads are then same-shape by construction
@@ -188,7 +223,8 @@ class TemplateRules:
         return self._reach(mask & -mask, mask, self.ix.nbr) == mask
 
     def _gemm_ok(self, mask: int, g: int) -> bool:
-        """One mm/bmm; every other node is an epilogue of its output shape fed by it."""
+        """One mm/bmm (or depthwise conv); every other node is an epilogue of its output
+        shape fed by it."""
         reach = self._reach(1 << g, mask, self.ix.succ)
         return reach == mask and all(self.shape[i] == self.shape[g] for i in members(mask))
 
@@ -224,47 +260,6 @@ class TemplateRules:
             else:
                 return False
         return len(shapes) >= 2
-
-    def _conv_ok(self, mask: int, c: int, eps: list[int]) -> bool:
-        """conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)]
-        (the oneDNN post-ops: bias, relu, hardtanh), storing only the last value."""
-        ix, nodes = self.ix, self.ix.nodes
-        chain = [c] + sorted(eps)  # node indices are topological
-        ops = [nodes[i].op for i in chain[1:]]
-        if ops and ops[0] == "add":
-            ops = ops[1:]
-        if ops not in ([], ["relu"], ["maximum", "minimum"]):
-            return False
-        for prev, cur in zip(chain, chain[1:]):
-            node, prev_out = nodes[cur], nodes[prev].output
-            if self.shape[cur] != self.shape[c] or prev_out not in node.inputs:
-                return False
-            other = [v for v in node.inputs if v != prev_out]
-            if node.op == "add" and (
-                len(other) != 1 or not self._per_channel_param(other[0], self.shape[c])
-            ):
-                return False
-            if node.op in ("maximum", "minimum") and (
-                len(other) != 1 or self.ix.graph.values[other[0]].kind != ValueKind.CONST
-            ):
-                return False
-        for i in chain[:-1]:  # oneDNN post-ops do not store intermediates
-            out = nodes[i].output
-            if out in ix.outputs or any(not mask >> j & 1 for j in ix.consumers[out]):
-                return False
-        return True
-
-    def _per_channel_param(self, value: str, out_shape: tuple[int, ...]) -> bool:
-        g = self.ix.graph
-        if g.values[self.ix.root[value]].kind != ValueKind.PARAM:
-            return False
-        shape = g.meta(value).shape
-        if len(shape) > len(out_shape) or len(out_shape) < 2:
-            return False
-        padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
-        return padded[1] in (1, out_shape[1]) and all(
-            s == 1 for d, s in enumerate(padded) if d != 1
-        )
 
     def _reduction_ok(self, mask: int, r0: int) -> bool:
         """Row kernel: reductions share (input shape, trailing dims); pointwise nodes are
@@ -361,7 +356,8 @@ def enumerate_candidates(
     out: list[Candidate] = []
     for seed in members(ix.fusible):
         seed_bit = 1 << seed
-        out.append(build_candidate(ix, seed_bit, rules.template(seed_bit) or "single"))
+        for t in rules.templates(seed_bit) or ["single"]:
+            out.append(build_candidate(ix, seed_bit, t))
         if not rules.extendable(seed_bit):
             continue
         above = ix.fusible & ~(seed_bit - 1)  # the seed and the nodes after it
@@ -383,8 +379,7 @@ def enumerate_candidates(
                 if hull & ~above or hull.bit_count() > max_nodes or not rules.extendable(hull):
                     continue
                 heapq.heappush(heap, (hull.bit_count(), hull))
-                t = rules.template(hull)
-                if t is not None:
+                for t in rules.templates(hull):
                     out.append(build_candidate(ix, hull, t))
         if heap:
             log.info("candidate budget reached at seed %s", ix.nodes[seed].name)

@@ -2,13 +2,17 @@
 
 Roofline: ``max(compute, memory) + fixed`` where
 
-* compute = GEMM/conv FLOPs / (peak x efficiency of the GEMM's shape class)
+* compute = GEMM/conv FLOPs / (peak x efficiency of the GEMM's shape class, or
+  ``ONEDNN_DEPTHWISE_EFFICIENCY`` for a depthwise conv through oneDNN)
   + other FLOPs / peak (about 1 per pointwise element, more for transcendentals);
+  a native depthwise conv (``dwconv``) counts 2 x taps per output with every output
+  row rounded up to whole vectors, at ``DWCONV_EFFICIENCY`` of peak;
 * memory = bytes / bandwidth, bytes = reads of in(k) and of parameters (each read
   capped at its storage's size: a slice reads part of it, an expand no more than
   it) + writes of out(k);
 * fixed = one library/PyTorch call for kernels that run as one (conv through
-  oneDNN, opaque ops), else one native kernel (a parallel region / a launch).
+  oneDNN, opaque ops), else one native kernel (a parallel region / a launch); a
+  conv through oneDNN adds ``ONEDNN_CONV_US``.
 
 Recomputation needs no special case: a node inside two chosen kernels is paid twice.
 Only ``HardwareProfile`` fields are used, so the same model serves any device.
@@ -23,6 +27,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kiln.compiler.fusion.candidates import Candidate
+from kiln.compiler.fusion.convs import is_depthwise_conv
 from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind
 from kiln.compiler.ir.layout import storage_root
 from kiln.core.cache import cache_dir
@@ -35,6 +40,22 @@ _DIVISION_LIKE = frozenset({"div", "sqrt", "rsqrt", "reciprocal"})
 FLOPS_TRANSCENDENTAL = 10.0  # a vectorised polynomial evaluation per element
 FLOPS_DIVISION = 4.0  # divide/sqrt throughput is a few FMAs
 EXTERN_OPS = frozenset({"opaque", "conv"})
+# The native depthwise kernel (codegen/cpu/dwconv.py), measured on Zen 5 with 2 threads
+# over 1-D and 2-D shapes (3x3 to 7x7 and 31-tap kernels, 7x7 to 112x112 planes): 60-127
+# GFLOP/s of vector-padded work where GEMMs reach about 210. Its memory is costed like
+# every other kernel's (max with compute): the sum over-predicted it 2-4x, its planes
+# being cache-resident.
+DWCONV_EFFICIENCY = 0.5
+# One conv through oneDNN on NCHW tensors (reorders to its blocked layout and back,
+# every call) costs far more than a torch op: measured 27-45 µs for 16-channel 8x8
+# convs (1x1, 3x3 dense, depthwise; 1 and 2 threads). 25 µs, below every measurement,
+# is added to every conv extern; depthwise convs ran 2.6-47x faster natively and 1x1
+# convs 1.3-3.7x faster as native GEMMs over the shapes measured (suite models' layers).
+ONEDNN_CONV_US = 25.0
+# oneDNN's NCHW depthwise convs run far below GEMM rates: measured 6-20 GFLOP/s (3x3,
+# 28x28 to 112x112 planes, batch 1 and 8), where its GEMMs reach about 210.
+ONEDNN_DEPTHWISE_EFFICIENCY = 0.1
+_LANES = {"avx512": 16, "avx2": 8}
 
 
 class GraphLookup:
@@ -64,6 +85,19 @@ def gemm_flops(node: Node, graph: Graph) -> float:
         return 2.0 * out * per_out
     k = graph.meta(node.inputs[0]).shape[-1]
     return 2.0 * out * k
+
+
+def dwconv_flops(node: Node, graph: Graph, lanes: int) -> float:
+    """2 * taps per output of a depthwise conv, each output row (the innermost spatial
+    dim) rounded up to whole vectors of ``lanes``: the native kernel's vector work."""
+    out = graph.meta(node.output).shape
+    rows = 1
+    for s in out[:-1]:
+        rows *= s
+    taps = 1
+    for s in graph.meta(node.inputs[1]).shape[2:]:
+        taps *= s
+    return 2.0 * rows * -(-out[-1] // lanes) * lanes * taps
 
 
 def node_flops(node: Node, graph: Graph) -> float:
@@ -126,15 +160,26 @@ def estimate(
     lk = lookup or GraphLookup(graph)
     nodes = lk.ordered(candidate)
     compute_us = 0.0
+    fixed = profile.kernel_fixed_us
+    if is_extern_kernel(candidate, nodes):
+        fixed = profile.extern_call_us
+        if candidate.template == "conv":
+            fixed += ONEDNN_CONV_US
     for n in nodes:
-        if n.cls == OpClass.GEMM:
+        if n.cls == OpClass.GEMM and candidate.template == "dwconv":
+            lanes = _LANES.get(profile.isa, 8)
+            compute_us += dwconv_flops(n, graph, lanes) / (
+                profile.peak_gflops * DWCONV_EFFICIENCY * 1e3
+            )
+        elif n.cls == OpClass.GEMM:
             f = gemm_flops(n, graph)
-            compute_us += f / (profile.peak_gflops * profile.efficiency(f) * 1e3)
+            eff = profile.efficiency(f)
+            if n.op == "conv" and is_depthwise_conv(graph, n):
+                eff = ONEDNN_DEPTHWISE_EFFICIENCY
+            compute_us += f / (profile.peak_gflops * eff * 1e3)
         else:
             compute_us += node_flops(n, graph) / (profile.peak_gflops * 1e3)
     memory_us = candidate_bytes(candidate, graph, lk) / (profile.mem_bw_gbs * 1e3)
-    extern = is_extern_kernel(candidate, nodes)
-    fixed = profile.extern_call_us if extern else profile.kernel_fixed_us
     return max(compute_us, memory_us) + fixed
 
 

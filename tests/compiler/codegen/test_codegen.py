@@ -246,13 +246,14 @@ def test_embedding_model_is_fully_native() -> None:
 
 
 def test_depthwise_separable_conv_chain_matches_eager() -> None:
-    """Consecutive convs with a depthwise one run as one channels-last oneDNN chain."""
+    """Consecutive convs with a depthwise one run as one channels-last oneDNN chain
+    (dense 3x3 convs around it: 1x1 ones would run natively, and the depthwise one too)."""
     import kiln
 
     block = torch.nn.Sequential(
-        torch.nn.Conv2d(8, 24, 1), torch.nn.BatchNorm2d(24), torch.nn.ReLU6(),
+        torch.nn.Conv2d(8, 24, 3, padding=1), torch.nn.BatchNorm2d(24), torch.nn.ReLU6(),
         torch.nn.Conv2d(24, 24, 3, padding=1, groups=24), torch.nn.ReLU6(),
-        torch.nn.Conv2d(24, 8, 1),
+        torch.nn.Conv2d(24, 8, 3, padding=1),
     ).eval()  # fmt: skip
     x = torch.randn(1, 8, 12, 12)
     compiled = kiln.compile(block, (x,), cache=False)

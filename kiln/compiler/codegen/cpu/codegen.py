@@ -2,9 +2,9 @@
 
 Each chosen kernel becomes a static function; ``kiln_entry`` resolves every stored
 value's pointer once (inputs, outputs, params, arena slices), then calls the kernels
-in order. Kernels with no native template (convolutions, opaque ops, or a kernel the
-generator cannot express) become *extern* calls back into PyTorch/oneDNN, listed in
-``CppProgram.externs`` with the reason.
+in order. Kernels with no native template (``conv`` kernels, opaque ops, or a kernel
+the generator cannot express) become *extern* calls back into PyTorch/oneDNN, listed
+in ``CppProgram.externs`` with the reason.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.compiler.codegen.cpu.dwconv import dwconv_kernel
 from kiln.compiler.codegen.cpu.emit import NATIVE_DTYPES, Operand, cfloat, supports_pointwise
 from kiln.compiler.codegen.cpu.entry import (
     PROFILE_PRELUDE,
@@ -30,6 +31,7 @@ from kiln.compiler.codegen.cpu.extern import (
 )
 from kiln.compiler.codegen.cpu.gemm import GemmSpec, emit_gemm
 from kiln.compiler.codegen.cpu.pack import pack_b
+from kiln.compiler.codegen.cpu.pointconv import pointconv_kernel
 from kiln.compiler.codegen.cpu.pointwise import emit_copy, emit_pointwise
 from kiln.compiler.codegen.cpu.reduction import RowSpec, emit_rows
 from kiln.compiler.fusion.program import Kernel, Program, is_extern
@@ -121,6 +123,10 @@ class _Gen:
             assert isinstance(a, Access)
             src = Operand(self.ptr(a.root), self.g.meta(v).dtype, a.offset, a.strides)
             return emit_copy(src, self.out_operand(v), shape, self.threads)
+        if k.template == "dwconv":
+            return dwconv_kernel(self, k, nodes)
+        if k.template == "gemm" and nodes[0].op == "conv":
+            return pointconv_kernel(self, k, nodes)
         classes = {n.cls for n in nodes}
         if classes == {OpClass.POINTWISE}:
             return self.pointwise(k, nodes)

@@ -1,4 +1,5 @@
-"""GEMM kernels: ``mm``/``bmm`` with a fused pointwise epilogue.
+"""GEMM kernels: ``mm``/``bmm`` (and 1x1 convs, see ``pointconv.py``) with a fused
+pointwise epilogue.
 
 The micro-kernel (``kiln_gemm.h``) keeps a block of output rows in registers and
 hands each finished row of a column panel (2 vectors wide) to the epilogue, which
@@ -32,6 +33,7 @@ class GemmSpec:
     consts: dict[str, str]
     outs: dict[str, Operand]  # written values, strides (batch, m, n)
     dtypes: dict[str, torch.dtype]
+    row_bias: str | None = None  # C++ pointer of m floats added to the rows (a conv's bias)
 
 
 def packed_floats(k: int, n: int, nr: int) -> int:
@@ -52,7 +54,8 @@ def emit_gemm(spec: GemmSpec, nr: int, threads: int) -> list[str]:
             out.append("  {")
             out.append(f"    const int64_t c = c0 + {h} * kv::W;")
             out.append(f"    if (c < {s.n}) {{")
-            out.append(f"      const kv::V acc = a{h};")
+            bias = f" + kv::splat({s.row_bias}[i])" if s.row_bias else ""
+            out.append(f"      const kv::V acc = a{h}{bias};")
             out.append(f"      if (c + kv::W <= {s.n}) {{")
             out += ["        " + x for x in _epilogue(s, batch_expr, None)]
             out.append("      } else {")

@@ -165,6 +165,24 @@ inline void gemm(const KilnRuntime* rt, const float* A, int64_t lda, int64_t M, 
 // num_panels(N) * K * NR floats (layout above; padding columns are zero).
 inline void pack_b(const float* B, int64_t sk, int64_t sn, int64_t K, int64_t N, float* Bp) {
   const int64_t panels = num_panels(N);
+  if (sn == 1) {  // rows of B contiguous (1x1 conv activations): vector copies, k-outer
+    const int64_t full = N / NR, tail = N - full * NR;
+    for (int64_t k = 0; k < K; ++k) {
+      const float* src = B + k * sk;
+      for (int64_t p = 0; p < full; ++p) {
+        float* dst = Bp + (p * K + k) * NR;
+        kv::store(dst, kv::load(src + p * NR));
+        kv::store(dst + kv::W, kv::load(src + p * NR + kv::W));
+      }
+      if (tail) {
+        float* dst = Bp + (full * K + k) * NR;
+        const int t0 = (int)(tail < kv::W ? tail : kv::W);
+        kv::store(dst, kv::loadn(src + full * NR, t0, 0.0f));
+        kv::store(dst + kv::W, kv::loadn(src + full * NR + kv::W, (int)tail - t0, 0.0f));
+      }
+    }
+    return;
+  }
   for (int64_t p = 0; p < panels; ++p) {
     for (int64_t k = 0; k < K; ++k) {
       float* dst = Bp + (p * K + k) * NR;

@@ -1,0 +1,72 @@
+"""1x1 convolutions as GEMMs through kiln's micro-kernel (``gemm.py``).
+
+An NCHW 1x1 conv is, per image, ``out (C_out, HW) = W (C_out, C_in) @ X (C_in, HW)``:
+the constant weight is the *left* operand, read in place (row-major, unit stride
+along C_in, as the micro-kernel wants A); the activations are the right operand,
+packed per call into column panels (each channel row of X is contiguous along HW).
+The conv's bias is added per output row; the epilogue (activations, residuals) runs
+on the registers as for any GEMM, and the stores along HW are contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.compiler.codegen.cpu.dwconv import KernelState
+from kiln.compiler.codegen.cpu.emit import Operand, supports_pointwise
+from kiln.compiler.codegen.cpu.gemm import GemmSpec, emit_gemm
+from kiln.compiler.fusion.convs import is_pointwise_conv
+from kiln.compiler.fusion.program import Kernel
+from kiln.compiler.ir.graph import Node
+
+
+def flat_operand(op: Operand, shape: tuple[int, ...]) -> Operand:
+    """Strides over (n, c, *spatial) as strides over (n, c, spatial flattened); ValueError
+    when the spatial dims do not flatten."""
+    sn, sc, *sp = op.strides
+    dims = [(size, st) for size, st in zip(shape[2:], sp) if size != 1]
+    for (_, outer), (size, st) in zip(dims, dims[1:]):
+        if outer != st * size:
+            raise ValueError("spatial dims of a 1x1 conv operand do not flatten")
+    inner = dims[-1][1] if dims else 1
+    return Operand(op.ptr, op.dtype, op.offset, (sn, sc, inner))
+
+
+def pointconv_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
+    """Lower a ``gemm`` kernel that starts with a 1x1 conv (then its epilogue)."""
+    g, conv = gen.g, nodes[0]
+    if not is_pointwise_conv(g, conv):
+        raise ValueError("not a 1x1 conv")
+    out_shape = g.meta(conv.output).shape
+    x_shape = g.meta(conv.inputs[0]).shape
+    for e in nodes[1:]:
+        if not supports_pointwise(e) or g.meta(e.output).shape != out_shape:
+            raise ValueError(f"epilogue op {e.op} {g.meta(e.output).shape}")
+    batch, c_out, c_in = out_shape[0], out_shape[1], x_shape[1]
+    spatial = 1
+    for s in out_shape[2:]:
+        spatial *= s
+    data = g.constants[conv.inputs[1]].float().reshape(c_out, c_in).reshape(-1)
+    if len(conv.inputs) > 2:
+        data = torch.cat([data, g.constants[conv.inputs[2]].float().reshape(-1)])
+    weights = f"((const float*)ops[{gen.local_ref(f'(char*)PP[{len(gen.params)}]')}])"
+    gen.params.append(data.contiguous())
+    ext = [v for v in gen.external_inputs(nodes[1:]) if v != conv.output]
+    consts = gen.consts(ext)
+    spec = GemmSpec(
+        batch=batch,
+        m=c_out,
+        k=c_in,
+        n=spatial,
+        a=Operand(weights, torch.float32, 0, (0, c_in, 1)),
+        b=flat_operand(gen.operand(conv.inputs[0], x_shape), x_shape),
+        b_packed=None,
+        acc_value=conv.output,
+        epilogue=tuple(nodes[1:]),
+        ext={v: flat_operand(gen.operand(v, out_shape), out_shape) for v in ext if v not in consts},
+        consts=consts,
+        outs={v: flat_operand(gen.out_operand(v), out_shape) for v in k.outputs},
+        dtypes=gen.dtypes(),
+        row_bias=f"({weights} + {c_out * c_in})" if len(conv.inputs) > 2 else None,
+    )
+    return emit_gemm(spec, gen.nr, gen.threads)
