@@ -150,3 +150,60 @@ def load_plain_extension(
                 )
             os.replace(tmp_so, so_path)
     return import_extension(f"kiln_{name}_ext", so_path)
+
+
+def _widest() -> str:
+    return isa()
+
+
+PLAIN_FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fno-math-errno",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+    "-std=c++17",
+)
+ISA_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",)}  # added to -march=native for another ISA
+
+
+class IsaExtension:
+    """A plain C++ extension (``load_plain_extension``) that can be built for either ISA on
+    one host, so both code paths are tested on an AVX-512 machine. Another ISA than this
+    CPU's widest is built under its own module name (CPython keeps one single-phase module
+    per name), passed to the source as the macro ``macro``."""
+
+    def __init__(self, name: str, sources: Sequence[Path], macro: str, what: str) -> None:
+        self.name, self.sources, self.macro, self.what = name, tuple(sources), macro, what
+        self._loaded: dict[str, ModuleType] = {}
+
+    def checked_isa(self, isa: str | None) -> str:
+        """``isa`` checked ("avx512" / "avx2"), None: this CPU's widest."""
+        here = _widest()  # raises on a CPU without AVX2+FMA
+        want = here if isa is None else isa
+        if want not in ISA_FLAGS:
+            raise ValueError(f"isa must be one of {list(ISA_FLAGS)} or None, got {isa!r}")
+        if want == "avx512" and here != "avx512":
+            raise RuntimeError(f"the AVX-512 {self.what} need a CPU with AVX-512F")
+        return want
+
+    def build(self, isa: str) -> tuple[str, tuple[str, ...]]:
+        """(extension name, flags) for a checked ``isa``."""
+        if isa == _widest():
+            return self.name, PLAIN_FLAGS
+        name = f"{self.name}_{isa}"
+        return name, (*PLAIN_FLAGS, *ISA_FLAGS[isa], f"-D{self.macro}=kiln_{name}_ext")
+
+    def key(self, isa: str | None = None) -> str:
+        """Cache key of the extension built for ``isa``."""
+        return extension_key(self.sources, self.build(self.checked_isa(isa))[1])
+
+    def load(self, isa: str | None = None) -> ModuleType:
+        """The extension for ``isa`` (None: this CPU's widest), compiled on first use and
+        cached on disk."""
+        want = self.checked_isa(isa)
+        if want not in self._loaded:
+            name, flags = self.build(want)
+            self._loaded[want] = load_plain_extension(name, self.sources, flags)
+        return self._loaded[want]

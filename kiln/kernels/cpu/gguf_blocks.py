@@ -28,7 +28,6 @@ the file's bytes, and computes with it three ways:
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -52,48 +51,23 @@ HERE = Path(__file__).resolve().parent
 VEC_HEADERS = tuple(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h"))
 KERNEL_HEADER = HERE / "gguf_blocks.h"  # the kernels, also included by the decode step
 SOURCES = (HERE / "gguf_blocks.cpp", KERNEL_HEADER, native.INCLUDE / "kiln_py.h", *VEC_HEADERS)
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ISA_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",)}  # added to -march=native for another ISA
 KILN_MAX_ROWS = packed_gemm.GEMM_MIN_ROWS - 1  # the decode kernel's rows; the GEMM above
 TILE_ROWS = 256  # output rows dequantized at a time for more rows
 
 
 # ------------------------------------------------------------------ build
-def _isa(isa: str | None) -> str:
-    """``isa`` checked ("avx512" / "avx2"), None: this CPU's widest."""
-    here = native.isa()  # raises on a CPU without AVX2+FMA
-    want = here if isa is None else isa
-    if want not in ISA_FLAGS:
-        raise ValueError(f"isa must be one of {list(ISA_FLAGS)} or None, got {isa!r}")
-    if want == "avx512" and here != "avx512":
-        raise RuntimeError("the AVX-512 GGUF kernels need a CPU with AVX-512F")
-    return want
-
-
-def _build(isa: str) -> tuple[str, tuple[str, ...]]:
-    """(extension name, flags) for ``isa``: another ISA than this CPU's widest is built
-    under its own module name (CPython keeps one single-phase module per name)."""
-    if isa == native.isa():
-        return "gguf_blocks", FLAGS
-    name = f"gguf_blocks_{isa}"
-    return name, (*FLAGS, *ISA_FLAGS[isa], f"-DKILN_GGUF_EXT=kiln_{name}_ext")
+_EXTENSION = native.IsaExtension("gguf_blocks", SOURCES, "KILN_GGUF_EXT", "GGUF kernels")
 
 
 def extension_key(isa: str | None = None) -> str:
     """Cache key of the extension built for ``isa``."""
-    return native.extension_key(SOURCES, _build(_isa(isa))[1])
+    return _EXTENSION.key(isa)
 
 
 def load_extension(isa: str | None = None) -> ModuleType:
-    """The GGUF block kernels for ``isa`` (None: this CPU's widest), compiled on first use
-    and cached on disk (``native.load_plain_extension``)."""
-    return _load(_isa(isa))
-
-
-@functools.cache
-def _load(isa: str) -> ModuleType:
-    name, flags = _build(isa)
-    return native.load_plain_extension(name, SOURCES, flags)
+    """The GGUF block kernels for ``isa`` ("avx512" / "avx2"; None: this CPU's widest), compiled on
+    first use and cached on disk (``native.load_plain_extension``)."""
+    return _EXTENSION.load(isa)
 
 
 # ------------------------------------------------------------------ wrapper

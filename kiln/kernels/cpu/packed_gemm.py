@@ -26,7 +26,6 @@ the GEMM took 0.7-0.95x the time of MKL's sgemm on the already-dequantized fp32 
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from types import ModuleType
 
@@ -47,49 +46,24 @@ SOURCES = (
     native.INCLUDE / "kiln_py.h",
     *(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h")),
 )
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-ISA_FLAGS = {"avx512": (), "avx2": ("-mno-avx512f",)}  # added to -march=native for another ISA
 # Below this many rows the decode kernels (woq.h, gguf_blocks.h) are as fast or faster
 # (measured: see the module doc); woq.py and gguf_blocks.py dispatch on it.
 GEMM_MIN_ROWS = 17
 
 
 # ------------------------------------------------------------------ build
-def _isa(isa: str | None) -> str:
-    """``isa`` checked ("avx512" / "avx2"), None: this CPU's widest."""
-    here = native.isa()  # raises on a CPU without AVX2+FMA
-    want = here if isa is None else isa
-    if want not in ISA_FLAGS:
-        raise ValueError(f"isa must be one of {list(ISA_FLAGS)} or None, got {isa!r}")
-    if want == "avx512" and here != "avx512":
-        raise RuntimeError("the AVX-512 prefill GEMMs need a CPU with AVX-512F")
-    return want
-
-
-def _build(isa: str) -> tuple[str, tuple[str, ...]]:
-    """(extension name, flags) for ``isa``; another ISA than this CPU's widest is built under
-    its own module name (CPython keeps one single-phase module per name)."""
-    if isa == native.isa():
-        return "packed_gemm", FLAGS
-    name = f"packed_gemm_{isa}"
-    return name, (*FLAGS, *ISA_FLAGS[isa], f"-DKILN_PG_EXT=kiln_{name}_ext")
+_EXTENSION = native.IsaExtension("packed_gemm", SOURCES, "KILN_PG_EXT", "prefill GEMMs")
 
 
 def extension_key(isa: str | None = None) -> str:
     """Cache key of the extension built for ``isa``."""
-    return native.extension_key(SOURCES, _build(_isa(isa))[1])
+    return _EXTENSION.key(isa)
 
 
 def load_extension(isa: str | None = None) -> ModuleType:
-    """The prefill GEMMs for ``isa`` ("avx512" / "avx2"; None: this CPU's widest), compiled
-    on first use and cached on disk (``native.load_plain_extension``)."""
-    return _load(_isa(isa))
-
-
-@functools.cache
-def _load(isa: str) -> ModuleType:
-    name, flags = _build(isa)
-    return native.load_plain_extension(name, SOURCES, flags)
+    """The prefill GEMMs for ``isa`` ("avx512" / "avx2"; None: this CPU's widest), compiled on
+    first use and cached on disk (``native.load_plain_extension``)."""
+    return _EXTENSION.load(isa)
 
 
 # ------------------------------------------------------------------ prepared weights
