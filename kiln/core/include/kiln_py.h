@@ -4,6 +4,7 @@
 #include <Python.h>
 
 #include <cstdint>
+#include <new>
 
 namespace kpy {
 
@@ -22,6 +23,22 @@ inline bool read_ints(PyObject* const* args, Py_ssize_t nargs, Py_ssize_t want, 
     if (out[i] == -1 && PyErr_Occurred()) return false;
   }
   return true;
+}
+
+// Runs f() without the GIL and returns None; a failed allocation inside f (a kernel's scratch
+// buffers) becomes a Python MemoryError.
+template <class F>
+PyObject* run_released(F&& f) {
+  bool ok = true;
+  Py_BEGIN_ALLOW_THREADS
+  try {
+    f();
+  } catch (const std::bad_alloc&) {
+    ok = false;
+  }
+  Py_END_ALLOW_THREADS
+  if (!ok) return PyErr_NoMemory();
+  Py_RETURN_NONE;
 }
 
 }  // namespace kpy

@@ -22,21 +22,7 @@
 namespace {
 
 using kpy::read_ints;
-
-// Runs f() without the GIL; a failed allocation (the tile buffers) is a MemoryError.
-template <class F>
-PyObject* run_released(F&& f) {
-  bool ok = true;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    f();
-  } catch (const std::bad_alloc&) {
-    ok = false;
-  }
-  Py_END_ALLOW_THREADS
-  if (!ok) return PyErr_NoMemory();
-  Py_RETURN_NONE;
-}
+using kpy::run_released;
 
 const float* fptr(int64_t v) { return reinterpret_cast<const float*>(v); }
 float* out_ptr(int64_t v) { return reinterpret_cast<float*>(v); }

@@ -21,21 +21,7 @@ using woq::Int8Args;
 using woq::Int8Block;
 
 using kpy::read_ints;
-
-// Runs f() without the GIL; a failed allocation (the activation copies) is a MemoryError.
-template <class F>
-PyObject* run_released(F&& f) {
-  bool ok = true;
-  Py_BEGIN_ALLOW_THREADS
-  try {
-    f();
-  } catch (const std::bad_alloc&) {
-    ok = false;
-  }
-  Py_END_ALLOW_THREADS
-  if (!ok) return PyErr_NoMemory();
-  Py_RETURN_NONE;
-}
+using kpy::run_released;
 
 // int8_mm(x, M, K, N, w, scale, y)
 PyObject* py_int8_mm(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
