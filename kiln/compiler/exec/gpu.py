@@ -16,17 +16,18 @@ interpreter: that is how the code generator is tested without a GPU.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kiln.compiler.codegen.gpu.attention import AttentionCall, Operand3
-from kiln.compiler.codegen.gpu.codegen import AtenCall, TritonProgram
+from kiln.compiler.codegen.gpu.codegen import AtenCall, Step, TritonProgram
 from kiln.compiler.codegen.gpu.source import Launch
 from kiln.compiler.exec.executors import check_inputs
 from kiln.compiler.exec.tune import tune
 from kiln.compiler.fusion.program import Program, Slot
 from kiln.compiler.ir.graph import ValueKind
+from kiln.compiler.ir.layout import Access, access
 from kiln.compiler.ir.semantics import eval_node
 from kiln.kernels.gpu.attention import attention
 
@@ -116,15 +117,15 @@ class TritonExecutor:
             root = self.consts[a.root]
         return root.as_strided(a.shape, a.strides, root.storage_offset() + a.offset)
 
-    def _bind(self, step: object):  # type: ignore[no-untyped-def]
+    def _bind(self, step: Step) -> Callable[[], None]:
         if isinstance(step, AtenCall):
             return self._bind_aten(step)
         if isinstance(step, AttentionCall):
             return self._bind_attention(step)
-        args = [self.stored[r] for r in step.roots]  # type: ignore[attr-defined]
+        args = [self.stored[r] for r in step.roots]
 
-        def launch() -> None:
-            step.fn[step.grid](*args, **step.options)  # type: ignore[attr-defined]
+        def launch() -> None:  # grid and options read at call time: tuning may change them
+            step.fn[step.grid](*args, **step.options)
 
         return launch
 
@@ -132,7 +133,7 @@ class TritonExecutor:
         root = self.stored[op.root]
         return root.as_strided(op.shape, op.strides, root.storage_offset() + op.offset)
 
-    def _bind_attention(self, call: AttentionCall):  # type: ignore[no-untyped-def]
+    def _bind_attention(self, call: AttentionCall) -> Callable[[], None]:
         q, k, v = self._operand(call.q), self._operand(call.k), self._operand(call.v)
         mask = None if call.mask is None else self._operand(call.mask)
         out = self.stored[call.out]
@@ -142,7 +143,7 @@ class TritonExecutor:
 
         return run
 
-    def _bind_aten(self, call: AtenCall):  # type: ignore[no-untyped-def]
+    def _bind_aten(self, call: AtenCall) -> Callable[[], None]:
         g = self.prog.graph
         k = self.prog.kernels[call.kernel]
         nodes = [g.node(n) for n in k.nodes]
@@ -173,8 +174,6 @@ class TritonExecutor:
         return run
 
     def _value_of_view(self, v: str) -> Tensor:
-        from kiln.compiler.ir.layout import Access, access
-
         a = access(self.prog.graph, v, [s for s in self.prog.storage if s != v])
         assert isinstance(a, Access)
         root = self.stored[a.root]

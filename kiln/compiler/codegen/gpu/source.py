@@ -206,7 +206,7 @@ class Launch:
     (the first until tuned). ``kernel`` is the index of the program kernel it runs."""
 
     kernel: int
-    fn: Callable[..., Any]
+    fn: Any  # a triton JITFunction: fn[grid](*pointers, **options)
     roots: tuple[str, ...]
     variants: list[Variant]
     source: str
