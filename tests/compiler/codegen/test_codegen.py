@@ -11,6 +11,10 @@ import pytest
 import torch
 
 from kiln.compiler.api import compile_graph
+from kiln.compiler.codegen.cpu import build
+from kiln.compiler.codegen.cpu.codegen import CppProgram
+from kiln.compiler.codegen.cpu.gemm import packed_floats
+from kiln.compiler.codegen.cpu.pack import nr as panel_width
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Graph, TensorMeta
 from kiln.compiler.ir.semantics import run_graph
@@ -260,3 +264,22 @@ def test_depthwise_separable_conv_chain_matches_eager() -> None:
     program = compiled.native_program
     assert program is not None and any(" > " in e.what for e in program.externs)
     assert_close_to_reference(compiled(x), block(x), rtol_to_max=1e-5)
+
+
+def test_a_weight_used_by_several_gemms_is_packed_once() -> None:
+    """The steps of an unrolled recurrence multiply by the same weight: one packed copy
+    (which stays in cache from step to step), not one per step."""
+    g = Graph()
+    h = g.add_input("h", _meta((1, 48)))
+    w = g.add_constant("w", torch.randn(48, 48) / 48**0.5)
+    for _ in range(4):
+        h = g.add_node("tanh", (g.add_node("mm", (h, w), _meta((1, 48))),), _meta((1, 48)))
+    g.outputs = [h]
+    x = torch.randn(1, 48)
+    compiled = compile_graph(g)
+    assert sum(k.template == "gemm" for k in compiled.report.kernels) == 4
+    cpp = compiled.native_program
+    assert isinstance(cpp, CppProgram)
+    packed = packed_floats(48, 48, panel_width(build.isa()))
+    assert [p.numel() for p in cpp.params].count(packed) == 1
+    assert_close_to_reference(compiled.run_flat([x]), run_graph(g, [x]), rtol_to_max=1e-5)

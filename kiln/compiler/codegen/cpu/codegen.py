@@ -9,6 +9,7 @@ in ``CppProgram.externs`` with the reason.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,6 +59,7 @@ class _Gen:
         self.prog, self.g, self.nr, self.threads = prog, prog.graph, nr, threads
         self.slot: dict[str, int] = {}  # stored value -> pointer table index
         self.params: list[torch.Tensor] = []
+        self.prepared: dict[tuple[object, ...], int] = {}  # key of a prepared constant -> PP index
         self.externs: list[Extern] = []
         self.local: list[str] | None = None  # operand pointers of the kernel being emitted
         self.functions: dict[str, str] = {}  # kernel body -> function name
@@ -79,6 +81,17 @@ class _Gen:
         if ref not in self.local:
             self.local.append(ref)
         return self.local.index(ref)
+
+    def prepared_param(self, key: tuple[object, ...], make: Callable[[], torch.Tensor]) -> str:
+        """Pointer (``const float*``, a local operand) to a constant prepared at compile time
+        (a packed weight, a reshaped conv filter): made once per ``key``, so kernels that use
+        the same weight (the steps of an unrolled recurrence, tied weights) read one copy that
+        stays in cache instead of one copy each."""
+        index = self.prepared.get(key)
+        if index is None:
+            index = self.prepared[key] = len(self.params)
+            self.params.append(make())
+        return f"((const float*)ops[{self.local_ref(f'(char*)PP[{index}]')}])"
 
     def function(self, body: list[str], refs: list[str]) -> list[str]:
         """Emit ``body`` as a kernel function (once per distinct body); return its call."""
@@ -259,12 +272,18 @@ class _Gen:
         if self.g.is_constant(b_access.root):
             # A constant (or a view of one, e.g. a tied weight's transpose): pack the
             # viewed data once at compile time.
-            root = self.g.constants[b_access.root]
-            w = root.as_strided(b_access.shape, b_access.strides, b_access.offset).float()
-            ws = w if batched else w.unsqueeze(0)
-            packed = torch.cat([pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])])
-            b_packed = f"((const float*)ops[{self.local_ref(f'(char*)PP[{len(self.params)}]')}])"
-            self.params.append(packed)
+            acc = b_access
+
+            def pack() -> torch.Tensor:
+                root = self.g.constants[acc.root]
+                w = root.as_strided(acc.shape, acc.strides, acc.offset).float()
+                ws = w if batched else w.unsqueeze(0)
+                return torch.cat(
+                    [pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])]
+                )
+
+            key = ("gemm_b", acc.root, acc.shape, acc.strides, acc.offset, batched)
+            b_packed = self.prepared_param(key, pack)
         else:
             b_op = b3(self.operand(b_val, self.g.meta(b_val).shape))
         epi = [x for x in nodes if x is not mm]

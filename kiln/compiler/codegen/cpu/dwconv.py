@@ -14,6 +14,7 @@ the last vector of a row is stored masked (ragged widths).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -211,8 +212,8 @@ class KernelState(Protocol):
     g: Graph
     nr: int  # GEMM panel width: two vectors
     threads: int
-    params: list[torch.Tensor]
 
+    def prepared_param(self, key: tuple[object, ...], make: Callable[[], torch.Tensor]) -> str: ...
     def operand(self, value: str, shape: tuple[int, ...]) -> Operand: ...
     def out_operand(self, value: str, strides: tuple[int, ...] | None = None) -> Operand: ...
     def consts(self, values: list[str]) -> dict[str, str]: ...
@@ -231,11 +232,12 @@ def dwconv_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
     for e in nodes[1:]:
         if not supports_pointwise(e) or g.meta(e.output).shape != out_shape:
             raise ValueError(f"epilogue op {e.op} {g.meta(e.output).shape}")
-    w = g.constants[conv.inputs[1]].float().reshape(-1)
     has_bias = len(conv.inputs) > 2
-    data = torch.cat([w, g.constants[conv.inputs[2]].float().reshape(-1)]) if has_bias else w
-    weights = f"((const float*)ops[{gen.local_ref(f'(char*)PP[{len(gen.params)}]')}])"
-    gen.params.append(data.contiguous())
+
+    def filters() -> torch.Tensor:  # the filter taps, then the biases
+        return torch.cat([g.constants[v].float().reshape(-1) for v in conv.inputs[1:]]).contiguous()
+
+    weights = gen.prepared_param(("dwconv", *conv.inputs[1:]), filters)
     ext = [v for v in gen.external_inputs(nodes[1:]) if v != conv.output]
     consts = gen.consts(ext)
     a = conv.attrs

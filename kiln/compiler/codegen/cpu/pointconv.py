@@ -46,11 +46,12 @@ def pointconv_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
     spatial = 1
     for s in out_shape[2:]:
         spatial *= s
-    data = g.constants[conv.inputs[1]].float().reshape(c_out, c_in).reshape(-1)
-    if len(conv.inputs) > 2:
-        data = torch.cat([data, g.constants[conv.inputs[2]].float().reshape(-1)])
-    weights = f"((const float*)ops[{gen.local_ref(f'(char*)PP[{len(gen.params)}]')}])"
-    gen.params.append(data.contiguous())
+
+    def filters() -> torch.Tensor:  # (c_out * c_in) weights, then c_out biases
+        parts = [g.constants[v].float().reshape(-1) for v in conv.inputs[1:]]
+        return torch.cat(parts).contiguous()
+
+    weights = gen.prepared_param(("conv1x1", *conv.inputs[1:]), filters)
     ext = [v for v in gen.external_inputs(nodes[1:]) if v != conv.output]
     consts = gen.consts(ext)
     spec = GemmSpec(
