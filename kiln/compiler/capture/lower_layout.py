@@ -274,3 +274,38 @@ def _index(b: Builder, node: fx.Node) -> str:
     if b.dtype(idx) != torch.int64 or len(b.shape(idx)) != 1:
         raise Unsupported("index tensor is not 1-D int64")
     return b.emit("index_select", [x, idx], dim=dim)
+
+
+@register(aten.constant_pad_nd.default)
+def _constant_pad(b: Builder, node: fx.Node) -> str:
+    """``F.pad(x, pad, value=c)``: pads are (left, right) pairs from the last dim
+    backwards. A negative pad crops (a slice); a positive one concatenates a constant
+    block (a 0-d CONST expanded to the block's shape, so it stores nothing) on that side.
+    A causal 1-D conv's left pad thus stays a native ``cat`` feeding the conv."""
+    a = call_args(node)
+    x = b.tensor(a["self"])
+    pads = [int(p) for p in a["pad"]]
+    value = a.get("value", 0)
+    if not isinstance(value, (bool, int, float)):
+        raise Unsupported(f"pad value {value!r}")
+    dtype = b.dtype(x)
+    fill = bool(value) if dtype == torch.bool else value if dtype.is_floating_point else int(value)
+    rank = len(b.shape(x))
+    for i in range(len(pads) // 2):
+        dim = rank - 1 - i
+        left, right = pads[2 * i], pads[2 * i + 1]
+        size = b.shape(x)[dim]
+        x = slice_of(b, x, dim, max(-left, 0), size - max(-right, 0), 1)
+        parts = []
+        for width, after in ((left, False), (right, True)):
+            if width > 0:
+                shape = list(b.shape(x))
+                shape[dim] = width
+                parts.append((after, b.expand(b.const(fill, dtype), shape)))
+        if parts:
+            x = b.emit(
+                "cat",
+                [p for after, p in parts if not after] + [x] + [p for after, p in parts if after],
+                dim=dim,
+            )
+    return x

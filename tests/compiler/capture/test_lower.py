@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+import kiln
 from kiln.compiler.capture import capture, fallback_report
 from kiln.compiler.capture.export import to_graph
 from kiln.compiler.capture.passes import optimize
@@ -113,3 +114,30 @@ def test_gelu_tanh_and_exact_match_torch_over_a_wide_range() -> None:
     x = torch.linspace(-8, 8, 1001)
     result = capture(Gelus(), (x,))
     assert_close_to_reference(result.unflatten(run_graph(result.graph, [x])), Gelus()(x))
+
+
+class Pads(nn.Module):
+    def forward(self, x: Tensor, m: Tensor) -> tuple[Tensor, ...]:  # x (2, 3, 5, 7) float, m bool
+        return (
+            F.pad(x, (4, 0)),  # a causal conv's left pad
+            F.pad(x, (1, 2, 3, 0), value=-1.5),  # two dims, a fill value
+            F.pad(x, (-2, 1, 0, -1)),  # crops and pads together
+            F.pad(m, (1, 1), value=True),  # a bool tensor
+        )
+
+
+def test_constant_pad_lowers_to_slices_and_cats_natively() -> None:
+    torch.manual_seed(0)
+    inputs = (torch.randn(2, 3, 5, 7), torch.rand(2, 3) > 0.5)
+    result = capture(Pads(), inputs)
+    assert not fallback_report(result.graph)
+    assert "cat" in [n.op for n in result.graph.nodes]
+    with torch.no_grad():
+        expected = Pads()(*inputs)
+    got = result.unflatten(run_graph(result.graph, list(inputs)))
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)  # pure data movement: exact
+    compiled = kiln.compile(Pads(), inputs)
+    assert all(k.executor == "native" for k in compiled.report.kernels)
+    for g, e in zip(compiled(*inputs), expected, strict=True):
+        assert torch.equal(g, e)
