@@ -7,12 +7,38 @@ downloads, no torchvision/torchaudio); ``MODELS[name].build()`` returns
 
 from __future__ import annotations
 
-from kiln.bench.suite import bert, dlrm, gpt2, mlp, mobilenet, resnet, speech, style, swiglu, vit
+from kiln.bench.suite import (
+    bert,
+    dlrm,
+    gpt2,
+    mlp,
+    mobilenet,
+    resnet,
+    speech,
+    style,
+    swiglu,
+    temporal,
+    unet,
+    vit,
+)
 from kiln.bench.suite._base import SEED, BenchModel
 
 MODELS: dict[str, BenchModel] = {
     m.name: m
-    for family in (mlp, swiglu, dlrm, bert, vit, gpt2, speech, resnet, mobilenet, style)
+    for family in (
+        mlp,
+        swiglu,
+        dlrm,
+        bert,
+        vit,
+        gpt2,
+        speech,
+        temporal,
+        resnet,
+        mobilenet,
+        unet,
+        style,
+    )
     for m in family.MODELS
 }
 

@@ -1,4 +1,5 @@
-"""Speech models: an LSTM stack and a Conformer block, written in code (no torchaudio)."""
+"""Speech models: an LSTM stack, a Conformer block and a small speech encoder (conv
+subsampling + Conformer), written in code (no torchaudio)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,40 @@ class ConformerBlock(nn.Module):
         return self.ln_out(self.ffn2(x))  # (B, T, d)
 
 
+class ConvSubsampling(nn.Module):
+    """The Conformer/ESPnet front-end: two 3x3 stride-2 convs with ReLU over
+    (time, frequency), then a linear from channels x frequency/4 to the model width:
+    4x fewer frames."""
+
+    def __init__(self, d_in: int = 80, channels: int = 64, d: int = 144) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, channels, 3, stride=2)
+        self.conv2 = nn.Conv2d(channels, channels, 3, stride=2)
+        freq = ((d_in - 1) // 2 - 1) // 2
+        self.proj = nn.Linear(channels * freq, d)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        # feats (B, T, 80)
+        x = F.relu(self.conv1(feats.unsqueeze(1)))  # (B, C, T/2, 39)
+        x = F.relu(self.conv2(x))  # (B, C, T/4, 19)
+        b, c, t, f = x.shape
+        return self.proj(x.transpose(1, 2).reshape(b, t, c * f))  # (B, T/4, d)
+
+
+class SpeechEncoder(nn.Module):
+    """Filter-bank frames -> conv subsampling -> 2 Conformer blocks -> linear to 32 tokens."""
+
+    def __init__(self, d: int = 144, blocks: int = 2, d_out: int = 32) -> None:
+        super().__init__()
+        self.front = ConvSubsampling(d=d)
+        self.blocks = nn.Sequential(*(ConformerBlock(d) for _ in range(blocks)))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, feats: torch.Tensor) -> torch.Tensor:
+        # feats (B, T, 80) -> (B, T/4, 32)
+        return self.head(self.blocks(self.front(feats)))
+
+
 def _build_lstm(batch: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return LSTMStack(), (torch.randn(batch, 16, 80),)
 
@@ -89,6 +124,12 @@ def _build_conformer(batch: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     model = ConformerBlock()
     randomize_norm_stats(model)
     return model, (torch.randn(batch, 64, 144),)
+
+
+def _build_encoder(batch: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model = SpeechEncoder()
+    randomize_norm_stats(model)
+    return model, (torch.randn(batch, 128, 80),)
 
 
 MODELS = [
@@ -108,5 +149,15 @@ MODELS = [
         gpu_batch=32,
         config="Conformer block (Conformer-S sizes): d 144, 4 heads, FFN 576, conv kernel 31, "
         "BatchNorm; seq 64, batch 1",
+    ),
+    BenchModel(
+        name="speech_encoder",
+        kind="speech",
+        builder=_build_encoder,
+        cpu_batch=1,
+        gpu_batch=16,
+        config="Speech encoder: conv subsampling (two 3x3 stride-2 convs, 64 channels) -> "
+        "2 Conformer blocks (d 144, 4 heads, FFN 576, conv kernel 31) -> linear 32; "
+        "128 frames of 80 features, batch 1",
     ),
 ]
