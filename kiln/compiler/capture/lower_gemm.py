@@ -4,6 +4,8 @@ constant folding turns it into a contiguous (K, N) PARAM."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 
@@ -92,7 +94,7 @@ def _matmul(b: Builder, node: fx.Node) -> str:
 def _convolution(b: Builder, node: fx.Node) -> str:
     a = call_args(node)
     if a["transposed"]:
-        raise Unsupported("transposed convolution")
+        return _transposed_convolution(b, a)
     inputs = [b.tensor(a["input"]), b.tensor(a["weight"])]
     if a["bias"] is not None:
         inputs.append(b.tensor(a["bias"]))
@@ -104,3 +106,48 @@ def _convolution(b: Builder, node: fx.Node) -> str:
         dilation=tuple(int(d) for d in a["dilation"]),
         groups=int(a["groups"]),
     )
+
+
+def _transposed_convolution(b: Builder, a: dict[str, Any]) -> str:
+    """A transposed conv whose kernel equals its stride (a U-Net's 2x2 stride-2 upsampling,
+    no padding, dilation or groups): the output tiles do not overlap, so it is a 1x1 conv
+    to C_out x kernel channels, then each pixel's channels spread over its output tile:
+
+        y (B, C_out*kh*kw, H, W) -> (B, C_out, kh, kw, H, W) -> (B, C_out, H, kh, W, kw)
+          -> (B, C_out, H*kh, W*kw)
+
+    Other transposed convs stay PyTorch calls."""
+    x, w = b.tensor(a["input"]), b.tensor(a["weight"])
+    kernel = b.shape(w)[2:]  # weight (C_in, C_out, *kernel)
+    stride = tuple(int(s) for s in a["stride"])
+    plain = (
+        tuple(kernel) == stride
+        and all(int(p) == 0 for p in a["padding"])
+        and all(int(p) == 0 for p in a["output_padding"])
+        and all(int(d) == 1 for d in a["dilation"])
+        and int(a["groups"]) == 1
+        and len(kernel) in (1, 2)
+    )
+    if not plain:
+        raise Unsupported("transposed convolution with overlapping tiles, padding or groups")
+    c_in, c_out = b.shape(w)[:2]
+    n = len(kernel)
+    taps = 1
+    for k in kernel:
+        taps *= k
+    # weight -> (C_out, *kernel, C_in) -> 1x1 conv filters (C_out * taps, C_in, 1[, 1])
+    wt = b.contiguous(b.permute(w, [1, *range(2, 2 + n), 0]))
+    wt = b.view(wt, (c_out * taps, c_in, *(1,) * n))
+    ones = (1,) * n
+    y = b.emit("conv", [x, wt], stride=ones, padding=(0,) * n, dilation=ones, groups=1)
+    spatial = b.shape(x)[2:]
+    batch = b.shape(x)[0]
+    y = b.view(y, (batch, c_out, *kernel, *spatial))
+    # (B, C_out, k0[, k1], s0[, s1]) -> (B, C_out, s0, k0[, s1, k1])
+    order = [0, 1] + [d for i in range(n) for d in (2 + n + i, 2 + i)]
+    y = b.contiguous(b.permute(y, order))
+    y = b.view(y, (batch, c_out, *(s * k for s, k in zip(spatial, kernel, strict=True))))
+    if a["bias"] is not None:
+        bias = b.view(b.tensor(a["bias"]), (1, c_out, *ones))
+        y = b.emit("add", [y, bias])
+    return y

@@ -4,6 +4,7 @@ conversion (outputs that are inputs or parameters, factories)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -141,3 +142,34 @@ def test_constant_pad_lowers_to_slices_and_cats_natively() -> None:
     assert all(k.executor == "native" for k in compiled.report.kernels)
     for g, e in zip(compiled(*inputs), expected, strict=True):
         assert torch.equal(g, e)
+
+
+@pytest.mark.parametrize(
+    "module,shape",
+    [
+        (nn.ConvTranspose2d(48, 20, 2, stride=2), (2, 48, 6, 7)),  # a U-Net's upsampling
+        (nn.ConvTranspose1d(40, 12, 3, stride=3, bias=False), (1, 40, 9)),
+    ],
+)
+def test_non_overlapping_transposed_conv_is_a_native_gemm(
+    module: nn.Module, shape: tuple[int, ...]
+) -> None:
+    torch.manual_seed(0)
+    module.eval()
+    x = torch.randn(shape)
+    compiled = kiln.compile(module, (x,))
+    assert not compiled.report.fallbacks
+    assert any(k.template == "gemm" for k in compiled.report.kernels)
+    with torch.no_grad():
+        assert_close_to_reference(compiled(x), module(x), rtol_to_max=1e-5)
+
+
+def test_overlapping_transposed_conv_falls_back_with_the_reason() -> None:
+    module = nn.ConvTranspose2d(8, 4, 3, stride=2, padding=1).eval()
+    x = torch.randn(1, 8, 5, 5)
+    compiled = kiln.compile(module, (x,))
+    assert [f.reason for f in compiled.report.fallbacks] == [
+        "transposed convolution with overlapping tiles, padding or groups"
+    ]
+    with torch.no_grad():
+        assert_close_to_reference(compiled(x), module(x), rtol_to_max=1e-5)
