@@ -20,6 +20,11 @@ parameters and persistent buffers (packed INT4 included). Ratios are decode toke
 ``generate`` (on the same weight dtype: ``hf-bf16`` for ``kiln-bf16``) and over llama.cpp at
 the same batch. The result goes to
 ``results/decode-<device-slug>-<yyyymmdd>.json`` with a markdown table beside it.
+
+``--gguf q8_0`` (or ``q4_0``, ``q4_k_m``, ``q4_1``, or a path) runs the contenders that read a
+GGUF file on that file instead of the catalog's Q4_1 one (``kiln.bench.gguf_variants``):
+llama.cpp and every kiln variant (``kiln-int4`` keeps it packed as stored); the file, its
+tensor types and its quant type (in the file name too, ``decode-...-q8_0``) are recorded.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.bench import RESULTS_DIR, system
+from kiln.bench.gguf_variants import describe, format_types, gguf_arg, gguf_file
 from kiln.bench.llm_decode_peers import CONTENDERS
 from kiln.bench.suite_runner import Worker, timed_request, worker_env
 from kiln.core.offline import hub_offline
@@ -212,11 +218,13 @@ def run_decode(
     prepare_timeout_s: float = 900.0,
     round_timeout_s: float = 600.0,
     tag: str = "",
+    gguf: str | None = None,
     log: Any = print,
 ) -> dict[str, Any]:
     """Run the side-by-side decode benchmark, write JSON + markdown, return the result
     (``result["path"]`` and ``result["markdown_path"]`` name the files: decode-DEVICE-DATE,
-    then ``-tag`` when given, so a second run the same day keeps the first)."""
+    then the quant type of ``gguf`` (a ``gguf_arg`` value) and ``-tag`` when given, so a
+    second run the same day keeps the first)."""
     if n_new < 2:
         raise ValueError(f"n_new must be >= 2 to time a decode step, got {n_new}")
     ids = prompt_ids if prompt_ids is not None else tokenize_prompt(prompt)
@@ -242,6 +250,11 @@ def run_decode(
     }  # fmt: skip
     common = ["--prompt-ids", ",".join(map(str, ids)), "--n-new", str(n_new),
               "--batches", ",".join(map(str, batches)), "--bandwidth-mb", str(bandwidth_mb)]  # fmt: skip
+    if gguf is not None:  # made here, once, before any worker reads it
+        path = gguf_file(gguf)
+        result["gguf"] = describe(path)
+        common += ["--gguf", str(path)]
+        tag = "-".join(filter(None, (result["gguf"]["file_type"], tag)))
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     bw_rounds: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kiln-decode-") as tmp:
@@ -288,6 +301,14 @@ def _fmt(v: float | None, spec: str) -> str:
     return "–" if v is None else format(v, spec)
 
 
+def _gguf_line(result: dict[str, Any]) -> list[str]:
+    """The GGUF file line of a result run with ``--gguf`` (none otherwise)."""
+    g = result.get("gguf")
+    if g is None:
+        return []
+    return [f"GGUF file {g['file']} ({g['file_type']}): {format_types(g['tensor_types'])}."]
+
+
 def render_markdown(result: dict[str, Any]) -> str:
     """A markdown table of a decode result, one row per (contender, batch)."""
     lines = [
@@ -295,6 +316,7 @@ def render_markdown(result: dict[str, Any]) -> str:
         f"{result['date'][:10]}: prompt {result['prompt']['n_tokens']} tokens, "
         f"{result['n_new']} new tokens, greedy, best of {result['repeats']} rounds; "
         f"read bandwidth {result['bandwidth']['gbs']:.1f} GB/s.",
+        *_gguf_line(result),
         "",
         "| contender | batch | TTFT ms | ms/step | decode tok/s | vs HF | vs llama.cpp "
         "| MB/step | GB/s | bandwidth share | co-tenant busy |",
@@ -340,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--tag", default="", help="file name suffix: decode-DEVICE-DATE-TAG.json")
+    p.add_argument("--gguf", type=gguf_arg, default=None,
+                   help="a GGUF file, or q4_0 / q8_0 / q4_k_m (made from the catalog's) / q4_1")  # fmt: skip
     p.add_argument("--from-result", default=None, help="render this result JSON, run nothing")
     args = p.parse_args(argv)
     # SIGTERM ends the run through SystemExit, so the workers are closed on the way out
@@ -350,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         result = run_decode(
             [c for c in args.contenders.split(",") if c],
             [int(b) for b in args.batches.split(",") if b],
-            args.n_new, args.repeats, args.prompt, args.out, tag=args.tag,
+            args.n_new, args.repeats, args.prompt, args.out, tag=args.tag, gguf=args.gguf,
         )  # fmt: skip
         print(f"wrote {result['path']} and {result['markdown_path']}")
     print(render_markdown(result))

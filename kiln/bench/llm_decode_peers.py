@@ -6,7 +6,8 @@ A contender generates ``n_new`` tokens greedily after a prompt and times itself:
 * ``decode_s`` -- the ``n_new - 1`` later steps (one forward pass + choosing a token each).
 
 It is anything with ``prepare(batches, max_len) -> facts`` and ``generate(prompt, n_new,
-batch) -> Generation`` (the ``DecodeContender`` protocol), built by a no-argument factory.
+batch) -> Generation`` (the ``DecodeContender`` protocol), built by a no-argument factory; a
+factory with a ``gguf`` keyword also runs on another GGUF file of the model (``--gguf``).
 Factories are named in ``CONTENDERS`` or given as a callable path ``"package.module:factory"``,
 so a new decoder plugs in without touching this file. ``prepare``'s facts must include
 ``weight_bytes`` (bytes a decode step reads from the weights) and ``kv_bytes_per_position``
@@ -19,7 +20,7 @@ llama_cpp at module level: each worker process loads only its own runtime (their
 stall each other on 2 cores).
 
 Worker: ``python -m kiln.bench.llm_decode_peers --contender NAME --prompt-ids 1,2,3 --n-new 64
---batches 1,4`` replies on stdout with one JSON line per command read from stdin:
+--batches 1,4 [--gguf FILE]`` replies on stdout with one JSON line per command read from stdin:
 first ``{"ready": true, "load_s": ..., <facts>}`` (or ``{"error": ...}``), then for
 ``round B`` the timings and tokens of one generation at batch ``B``, for ``finish``
 ``{"ok": true}``. The contender ``bandwidth`` instead replies to ``round`` with the best
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 import time
 import traceback
@@ -86,6 +88,18 @@ def resolve(name: str) -> Callable[[], DecodeContender]:
     return factory
 
 
+def build(name: str, gguf: str | None = None) -> DecodeContender:
+    """The contender ``name`` on the model's catalog file, or on the GGUF file ``gguf``
+    (its factory must take a ``gguf`` keyword: a contender that cannot read the file is
+    refused rather than run on other weights)."""
+    factory: Callable[..., DecodeContender] = resolve(name)
+    if gguf is None:
+        return factory()
+    if "gguf" not in inspect.signature(factory).parameters:
+        raise ValueError(f"decode contender {name!r} cannot run on a given GGUF file (--gguf)")
+    return factory(gguf=gguf)
+
+
 def unique_tensor_bytes(tensors: Sequence[torch.Tensor]) -> int:
     """Bytes of ``tensors`` with shared storage counted once (a tied head and embedding)."""
     seen: set[tuple[int, int]] = set()
@@ -120,17 +134,20 @@ def gguf_tensor_bytes(path: str) -> int:
 
 
 class LlamaCpp:
-    """llama.cpp through ``llama_cpp.Llama`` on the SmolLM2 GGUF file: one sequence only
-    (the high-level ``Llama`` object decodes batch 1), greedy sampling (``temp=0``).
+    """llama.cpp through ``llama_cpp.Llama`` on the SmolLM2 GGUF file (or the file ``gguf``):
+    one sequence only (the high-level ``Llama`` object decodes batch 1), greedy sampling
+    (``temp=0``).
     Times are stream timestamps around ``Llama.generate``'s yields; llama.cpp's own
     prompt/eval timers are recorded beside them in ``extra``."""
 
-    def __init__(self, path: str | None = None) -> None:
-        self.path = path
+    def __init__(self, gguf: str | None = None) -> None:
+        self.path = gguf
         self.llm: Any = None
 
     def prepare(self, batches: Sequence[int], max_len: int) -> dict[str, Any]:
         import llama_cpp
+
+        from kiln.bench.gguf_variants import format_types, tensor_types
 
         if self.path is None:
             from kiln.models.catalog import smollm2_gguf_path
@@ -148,7 +165,7 @@ class LlamaCpp:
         layers = int(meta[f"{arch}.block_count"])
         return {
             "runtime": f"llama-cpp-python {llama_cpp.__version__}",
-            "dtype": "GGUF as stored (Q4_1 linear, Q8_0 embedding/head, f16 KV cache)",
+            "dtype": f"GGUF as stored ({format_types(tensor_types(self.path))}; f16 KV cache)",
             "threads": THREADS,
             "weight_bytes": gguf_tensor_bytes(self.path),
             "kv_bytes_per_position": kv_position_bytes(layers, kv_heads, head_dim, 2),
@@ -225,7 +242,7 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
         if args.contender == "bandwidth":
             facts: dict[str, Any] = {"gbs": read_bandwidth_gbs(args.bandwidth_mb)}
         else:
-            contender = resolve(args.contender)()
+            contender = build(args.contender, args.gguf)
             t0 = time.perf_counter()
             facts = contender.prepare(batches, len(prompt) + args.n_new)
             facts["load_s"] = time.perf_counter() - t0
@@ -261,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--n-new", type=int, default=64)
     p.add_argument("--batches", default="1")
     p.add_argument("--bandwidth-mb", type=int, default=256)
+    p.add_argument("--gguf", default=None, help="the GGUF file to run (default: the catalog's)")
     args = p.parse_args(argv)
     return serve(args, reply_channel())
 

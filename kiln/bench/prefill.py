@@ -30,7 +30,9 @@ contender and length, where the prefill time goes (forward hooks per layer type,
 of ``--profile-reps`` prefills per category); ``--kernels`` times one linear layer of each
 SmolLM2 shape through each kernel (1 thread, best of 20). Both kiln paths' first tokens are
 compared (``same_token``). The result goes to ``results/prefill-<device>-<date>.json`` with a
-markdown table beside it.
+markdown table beside it. ``--gguf q8_0`` (or ``q4_0``, ``q4_k_m``, ``q4_1``, a path: see
+``kiln.bench.gguf_variants``) runs every contender on that file instead, kiln's packed as
+stored, and puts its quant type in the file name (``prefill-...-q8_0``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import IO, Any
 
 from kiln.bench import RESULTS_DIR, system
 from kiln.bench.channel import reply_channel, send
+from kiln.bench.gguf_variants import describe, gguf_arg, gguf_file
 from kiln.bench.prefill_report import KILN, render_markdown, summarize
 from kiln.bench.suite_runner import Worker, timed_request, worker_env
 
@@ -106,10 +109,11 @@ def force_old_path(set_attr: Callable[[Any, str, Any], None] = setattr) -> None:
 
 # ---------------------------------------------------------------- contenders (workers)
 class KilnPrefill:
-    """SmolLM2 as ``kiln generate smollm2`` loads it, prefilled by ``FastDecoder``."""
+    """SmolLM2 as ``kiln generate smollm2`` loads it (or the GGUF file ``gguf``, packed as
+    stored), prefilled by ``FastDecoder``."""
 
-    def __init__(self, old: bool) -> None:
-        self.old = old
+    def __init__(self, old: bool, gguf: str | None = None) -> None:
+        self.old, self.gguf = old, gguf
 
     def prepare(self, lengths: Sequence[int]) -> dict[str, Any]:
         import torch
@@ -117,17 +121,20 @@ class KilnPrefill:
         torch.set_num_threads(THREADS)
         if self.old:
             force_old_path()
+        from kiln.bench.contenders.llm_kiln import packed_layers
         from kiln.llm.fast_decoder import FastDecoder
         from kiln.models.load import load_model
 
-        loaded = load_model("smollm2", torch.float32, packed=True, with_tokenizer=False)
+        loaded = load_model(self.gguf or "smollm2", torch.float32, packed=True,
+                            with_tokenizer=False)  # fmt: skip
         self.model = loaded.model.eval()
         self.dec = FastDecoder(self.model, 1, max(lengths) + 1)
         for n in lengths:
             self.ttft(n)  # warm-up: kernels built, panels made
         kinds = sorted({type(m).__name__ for m in self.model.modules() if hasattr(m, "kind")})
         return {"runtime": f"kiln (torch {torch.__version__})", "threads": THREADS,
-                "path": "before" if self.old else "after", "linear_kinds": kinds}  # fmt: skip
+                "path": "before" if self.old else "after", "linear_kinds": kinds,
+                "dtype": f"GGUF as stored, packed ({packed_layers(self.model)})"}  # fmt: skip
 
     def ttft(self, n: int) -> dict[str, Any]:
         import torch
@@ -197,10 +204,13 @@ def profile_prefill(model: Any, run: Callable[[], Any], reps: int) -> dict[str, 
 class LlamaCppPrefill:
     """llama.cpp via llama-cpp-python: TTFT of a one-token generation."""
 
+    def __init__(self, gguf: str | None = None) -> None:
+        self.gguf = gguf
+
     def prepare(self, lengths: Sequence[int]) -> dict[str, Any]:
         from kiln.bench.llm_decode_peers import LlamaCpp
 
-        self.llm = LlamaCpp()
+        self.llm = LlamaCpp(self.gguf)
         facts = self.llm.prepare([1], max(lengths) + 8)
         for n in lengths:
             self.ttft(n)
@@ -214,10 +224,13 @@ class LlamaCppPrefill:
 class LlamaBench:
     """llama.cpp's ``llama-bench`` binary: prompt processing time as it reports it."""
 
+    def __init__(self, gguf: str | None = None) -> None:
+        self.gguf = gguf
+
     def prepare(self, lengths: Sequence[int]) -> dict[str, Any]:
         from kiln.models.catalog import smollm2_gguf_path
 
-        self.exe, self.path = shutil.which("llama-bench"), str(smollm2_gguf_path())
+        self.exe, self.path = shutil.which("llama-bench"), self.gguf or str(smollm2_gguf_path())
         if self.exe is None:
             raise FileNotFoundError("llama-bench is not on PATH")
         return {"runtime": "llama-bench", "threads": THREADS}
@@ -230,10 +243,10 @@ class LlamaBench:
         return {"ttft_s": float(out[0]["avg_ns"]) / 1e9, "token": None}
 
 
-def _contender(name: str) -> Any:
+def _contender(name: str, gguf: str | None) -> Any:
     if name in KILN:
-        return KilnPrefill(old=name == "kiln-before")
-    return {"llamacpp": LlamaCppPrefill, "llama-bench": LlamaBench}[name]()
+        return KilnPrefill(old=name == "kiln-before", gguf=gguf)
+    return {"llamacpp": LlamaCppPrefill, "llama-bench": LlamaBench}[name](gguf)
 
 
 def serve(args: argparse.Namespace, chan: IO[str]) -> int:
@@ -241,7 +254,7 @@ def serve(args: argparse.Namespace, chan: IO[str]) -> int:
     / ``finish`` lines with one JSON line each."""
     lengths = [int(n) for n in args.lengths.split(",")]
     try:
-        c = None if args.worker == "kernels" else _contender(args.worker)
+        c = None if args.worker == "kernels" else _contender(args.worker, args.gguf)
         facts = {} if c is None else c.prepare(lengths)
     except Exception as e:  # noqa: BLE001 - every failure becomes a recorded error
         send(chan, {"error": f"{type(e).__name__}: {e}"[:2000]})
@@ -328,11 +341,12 @@ def run_prefill(
     quiet_wait_s: float = 2.0,
     quiet_busy: float = 0.25,
     tag: str = "",
+    gguf: str | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the benchmark (module doc), write JSON + markdown, return the result (file
-    prefill-DEVICE-DATE, then ``-tag`` when given, so a second run the same day keeps the
-    first)."""
+    prefill-DEVICE-DATE, then the quant type of ``gguf`` (a ``gguf_arg`` value) and ``-tag``
+    when given, so a second run the same day keeps the first)."""
     cpu = system.cpu_info()
     now = dt.datetime.now(dt.timezone.utc)
     opts = {"quiet_wait_s": quiet_wait_s, "quiet_busy": quiet_busy, "round_timeout_s": 900.0}
@@ -346,6 +360,11 @@ def run_prefill(
         "load_before": system.load_snapshot(), "contenders": {}, "results": [],
     }  # fmt: skip
     common = ["--lengths", ",".join(map(str, lengths))]
+    if gguf is not None:  # made here, once, before any worker reads it
+        path = gguf_file(gguf)
+        result["gguf"] = describe(path)
+        common += ["--gguf", str(path)]
+        tag = "-".join(filter(None, (result["gguf"]["file_type"], tag)))
     with tempfile.TemporaryDirectory(prefix="kiln-prefill-") as tmp:
         env = worker_env(Path(tmp) / "inductor-cache")
         workers: dict[str, Worker] = {}
@@ -467,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="before each round, wait up to this long for co-tenants to go quiet")  # fmt: skip
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--tag", default="", help="file name suffix: prefill-DEVICE-DATE-TAG.json")
+    p.add_argument("--gguf", type=gguf_arg, default=None,
+                   help="a GGUF file, or q4_0 / q8_0 / q4_k_m (made from the catalog's) / q4_1")  # fmt: skip
     p.add_argument("--from-result", default=None, help="render this result JSON, run nothing")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one contender
     args = p.parse_args(argv)
@@ -482,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
             [c for c in args.contenders.split(",") if c],
             [int(n) for n in args.lengths.split(",") if n], args.repeats, args.out,
             profile=args.profile, profile_reps=args.profile_reps, kernels=args.kernels,
-            quiet_wait_s=args.quiet_wait_s, tag=args.tag,
+            quiet_wait_s=args.quiet_wait_s, tag=args.tag, gguf=args.gguf,
         )  # fmt: skip
         print(f"wrote {result['path']} and {result['markdown_path']}")
     print(render_markdown(result))

@@ -6,6 +6,8 @@ from __future__ import annotations
 from statistics import median
 from typing import Any
 
+from kiln.bench.gguf_variants import format_types
+
 KILN = ("kiln-before", "kiln-after")
 
 
@@ -46,11 +48,13 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def render_markdown(result: dict[str, Any]) -> str:
     """The TTFT table, the skipped contenders and (when profiled) the breakdown."""
-    dev = result["device"]
+    dev, g = result["device"], result.get("gguf")
+    model = "SmolLM2-135M Q4_1 GGUF" if g is None else f"{g['file']} ({g['file_type']})"
     lines = [
-        f"Prefill (time to first token), SmolLM2-135M Q4_1 GGUF, {dev['name']} "
+        f"Prefill (time to first token), {model}, {dev['name']} "
         f"({dev['isa']}, {result['threads']} threads), {result['date'][:10]}: batch 1, "
         f"{result['prompt']}, least of {result['repeats']} interleaved rounds.",
+        *([] if g is None else [f"File tensor types: {format_types(g['tensor_types'])}."]),
         "",
         "| contender | prompt tokens | TTFT ms | median ms | tokens/s | speed-up vs before "
         "| vs llama.cpp | same first token | co-tenant busy |",

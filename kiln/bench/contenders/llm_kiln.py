@@ -7,7 +7,10 @@ those weights cast to bfloat16: 16-bit weights and cache, fp32 math), ``kiln-int
 (``FastDecoder`` on the GGUF's Q4_1 weights kept packed, ``packed=True``, and the head
 quantized to INT8 per channel as llama.cpp reads its Q8_0 table) and ``kiln-spec`` (the
 ``kiln-fast`` model's greedy text by ``kiln.llm.speculative``: an INT8 copy guesses
-``SPEC_GUESSES`` tokens, the fp32 model checks them in one call; batch 1). kiln modules
+``SPEC_GUESSES`` tokens, the fp32 model checks them in one call; batch 1). Given another GGUF
+file of the model (``gguf``), each loads that file instead: ``kiln-int4`` keeps every
+quantized tensor packed as stored (Q4_0 / Q4_1 repacked to kiln's INT4, other types as
+``GgufLinear``), the others dequantize it. kiln modules
 are imported when a contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through
 ``KilnDecode``'s ``model`` argument or a factory of its own.
@@ -16,6 +19,7 @@ same way, so another decoder with those two methods plugs in through
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -62,10 +66,11 @@ class KilnDecode:
     ``fast`` (``FastDecoder``, same weights), ``bf16`` (``FastDecoder``, the weights in
     bfloat16), ``int4`` (``FastDecoder`` on the GGUF's packed 4-bit weights) or ``spec``
     (the fp32 ``fast`` model verifying an INT8 copy's guesses: ``SpeculativeDecoder``, batch
-    1 only). ``model`` replaces the loaded SmolLM2 (tests use a tiny one)."""
+    1 only). ``model`` replaces the loaded SmolLM2 (tests use a tiny one); ``gguf`` names
+    another GGUF file of it to load instead of the catalog's."""
 
-    def __init__(self, variant: Variant, model: Any = None) -> None:
-        self.variant, self.model = variant, model
+    def __init__(self, variant: Variant, model: Any = None, gguf: str | None = None) -> None:
+        self.variant, self.model, self.gguf = variant, model, gguf
         self.decoders: dict[int, Any] = {}
         self.spec: Any = None  # the SpeculativeDecoder of variant "spec"
 
@@ -77,7 +82,7 @@ class KilnDecode:
 
             packed = self.variant == "int4"
             dtype = torch.bfloat16 if self.variant == "bf16" else torch.float32
-            loaded = load_model("smollm2", dtype, packed=packed, with_tokenizer=False)
+            loaded = load_model(self.gguf or "smollm2", dtype, packed=packed, with_tokenizer=False)
             self.model, source = loaded.model, str(loaded.source)
         self.model.eval()
         # A float head becomes INT8 (113 MB fp32 else); the packed GGUF's own Q8_0 table,
@@ -109,6 +114,9 @@ class KilnDecode:
         from kiln.deploy.generate_job import weight_bytes_per_token
 
         cfg = self.model.cfg
+        label = {"int4": "int4 packed", "bf16": "bfloat16"}.get(self.variant, "float32")
+        if self.gguf is not None and self.variant == "int4":
+            label = f"GGUF as stored, packed ({packed_layers(self.model)})"
         first = min(self.decoders)
         cache = getattr(self.decoders[first], "cache", None)
         if cache is not None and hasattr(cache, "nbytes"):
@@ -120,7 +128,7 @@ class KilnDecode:
         return {
             "runtime": f"kiln {self.variant}, torch {torch.__version__}",
             "source": portable_path(source),
-            "dtype": {"int4": "int4 packed", "bf16": "bfloat16"}.get(self.variant, "float32"),
+            "dtype": label,
             "threads": torch.get_num_threads(),
             # What one step reads: blocks, final norm and head. An untied fp32 embedding
             # table (kiln-int4 reads the file's Q8_0 head instead) is looked up one row per token.
@@ -160,21 +168,35 @@ class KilnDecode:
         return Generation(gen.ttft_s, sum(gen.step_s), total, gen.tokens.tolist(), extra)
 
 
-def kiln_eager() -> KilnDecode:
-    return KilnDecode("eager")
+def packed_layers(model: torch.nn.Module) -> str:
+    """The model's packed linear layers by type, most first ("Q5_0 x166, Q4_K x16"): a
+    ``GgufLinear`` by the type it stores, an ``Int4Linear`` (Q4_0 / Q4_1 blocks repacked)
+    as "INT4", any other by its class."""
+    from kiln.compress.modules import CompressedLinear, Int4Linear
+
+    counts = Counter(
+        "INT4" if isinstance(m, Int4Linear) else getattr(m, "type_name", type(m).__name__)
+        for m in model.modules()
+        if isinstance(m, CompressedLinear)
+    )
+    return ", ".join(f"{name} x{n}" for name, n in counts.most_common())
 
 
-def kiln_fast() -> KilnDecode:
-    return KilnDecode("fast")
+def kiln_eager(gguf: str | None = None) -> KilnDecode:
+    return KilnDecode("eager", gguf=gguf)
 
 
-def kiln_int4() -> KilnDecode:
-    return KilnDecode("int4")
+def kiln_fast(gguf: str | None = None) -> KilnDecode:
+    return KilnDecode("fast", gguf=gguf)
 
 
-def kiln_bf16() -> KilnDecode:
-    return KilnDecode("bf16")
+def kiln_int4(gguf: str | None = None) -> KilnDecode:
+    return KilnDecode("int4", gguf=gguf)
 
 
-def kiln_spec() -> KilnDecode:
-    return KilnDecode("spec")
+def kiln_bf16(gguf: str | None = None) -> KilnDecode:
+    return KilnDecode("bf16", gguf=gguf)
+
+
+def kiln_spec(gguf: str | None = None) -> KilnDecode:
+    return KilnDecode("spec", gguf=gguf)
