@@ -36,6 +36,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                    help="before each round, wait up to this long for co-tenants to go quiet")  # fmt: skip
     p.add_argument("--warm-compile", action="store_true", help="also time a warm-cache compile")
     p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--tag", default="", help="result file name suffix: DEVICE-DATE-TAG.json "
+                   "(a same-day run with the same tag overwrites the file)")  # fmt: skip
     p.add_argument("--readme", default=None, help="README to update between the bench markers")
     p.add_argument("--from-result", default=None, help="render this result JSON, run nothing")
     p.add_argument("--list", action="store_true", help="list the models and exit")
@@ -99,7 +101,7 @@ def _run_with_progress(
         return run_suite(
             models, cons, rounds=args.rounds, reps=args.reps, out_dir=args.out,
             warmup_s=args.warmup_s, rep_ms=args.rep_ms, warm_compile=args.warm_compile,
-            quiet_wait_s=args.quiet_wait_s, on_event=on_event,
+            quiet_wait_s=args.quiet_wait_s, on_event=on_event, tag=args.tag,
         )  # fmt: skip
 
 

@@ -237,6 +237,7 @@ def run_suite(
     prepare_timeout_s: float = 600.0,
     round_timeout_s: float = 300.0,
     on_event: Event | None = None,
+    tag: str = "",
 ) -> dict[str, Any]:
     """Benchmark ``models`` x ``contenders`` side by side; write and return the result.
 
@@ -244,8 +245,8 @@ def run_suite(
     sized to last ``rep_ms``); eager is always included as the reference. Before
     each contender's round the runner waits up to ``quiet_wait_s`` for the share of
     CPUs busy (co-tenants) to drop to ``quiet_busy``, and records it. The
-    result goes to ``out_dir/<device-slug>-<yyyymmdd>.json`` (same-day runs on
-    the same device overwrite it); its path is in ``result["path"]``.
+    result goes to ``out_dir/<device-slug>-<yyyymmdd>[-<tag>].json`` (same-day runs on
+    the same device with the same ``tag`` overwrite it); its path is in ``result["path"]``.
     """
     emit: Event = on_event or (lambda kind, info: None)
     names = [get(m).name for m in models]
@@ -300,4 +301,6 @@ def run_suite(
             del module, inputs
     result["load_after"] = system.load_snapshot()
     result["summary"] = _summarise(result["models"], cons)
-    return system.write_result(result, out_dir, f"{result['device']['slug']}-{now:%Y%m%d}.json")
+    suffix = f"-{tag}" if tag else ""
+    name = f"{result['device']['slug']}-{now:%Y%m%d}{suffix}.json"
+    return system.write_result(result, out_dir, name)
