@@ -142,7 +142,7 @@ def _contender(name: str, model: MLP64, x: Tensor) -> tuple[Fn, dict[str, Any]]:
         fn = torch.compile(model, mode="max-autotune-no-cudagraphs", dynamic=False)
     else:
         import kiln
-        from kiln.bench.contenders.kiln_gpu import report_facts
+        from kiln.bench.contenders.kiln_contender import report_facts
 
         fn = kiln.compile(model, (x,))
         facts.update(report_facts(getattr(fn, "report", None)))

@@ -57,7 +57,9 @@ def render_table(result: dict[str, Any]) -> str:
     has_kiln = "kiln" in cons
     peers = [p for p in ("ort", "openvino") if p in cons] if has_kiln else []
     head = ["Model", "eager ms", *[f"{LABELS.get(c, c)} ×" for c in cons]]
-    head += [f"kiln vs {LABELS[p]}" for p in peers] + ["floor ms", "max rel err"]
+    head += [f"kiln vs {LABELS[p]}" for p in peers]
+    head += ["kiln extern"] if has_kiln else []
+    head += ["floor ms", "max rel err"]
     rows = [head, ["---"] + ["---:"] * (len(head) - 2) + ["---"]]
     for name, m in result["models"].items():
         eager = m["results"]["eager"].get("ms")
@@ -65,11 +67,13 @@ def render_table(result: dict[str, Any]) -> str:
         eager_cell = (f"{eager:.3f}" + (" †" if loaded else "")) if eager else "error"
         row = [name, eager_cell, *[_cell(m, c) for c in cons]]
         row += [_x(m["kiln_vs"].get(p)) for p in peers]
+        row += [_extern(m["results"]["kiln"])] if has_kiln else []
         row += [f"{m['floor_ms']:.3f} ({m['bound'][0]})", _worst_err(m)]
         rows.append(row)
     ms = list(result["models"].values())
     geo = ["**geomean**", "", *[_x(_geo([m["speedup_vs_eager"].get(c) for m in ms])) for c in cons]]
-    geo += [_x(_geo([m["kiln_vs"].get(p) for m in ms])) for p in peers] + ["", ""]
+    geo += [_x(_geo([m["kiln_vs"].get(p) for m in ms])) for p in peers]
+    geo += ["", "", ""] if has_kiln else ["", ""]
     rows.append(geo)
     dev, lb, la = result["device"], result.get("load_before", {}), result.get("load_after", {})
     proto = result["protocol"]
@@ -87,9 +91,24 @@ def render_table(result: dict[str, Any]) -> str:
         "(c = compute-bound, m = memory-bound); max rel err = max|y − eager| / max|eager|, worst "
         f"contender in brackets; † = some contender's best round had co-tenants using more than "
         f"{LOADED:.0%} of the CPUs."
+        + (
+            "; kiln extern = share of kiln's kernel time in extern kernels (PyTorch or library "
+            "calls), and the ops kiln could not lower (fallbacks)"
+            if has_kiln
+            else ""
+        )
     )
     table = "\n".join("| " + " | ".join(r) + " |" for r in rows)
     return f"{intro}\n\n{table}\n\n{notes}\n"
+
+
+def _extern(kiln: dict[str, Any]) -> str:
+    """kiln's extern share and fallback count, from its profile (see kiln_contender)."""
+    share = kiln.get("extern_share")
+    if share is None:
+        return "–"
+    n = len(kiln.get("fallbacks", []))
+    return f"{share:.0%}" + (f", {n} fallback{'s' if n > 1 else ''}" if n else "")
 
 
 def _shares(summary: dict[str, Any]) -> str:

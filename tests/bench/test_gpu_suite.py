@@ -18,7 +18,7 @@ import torch
 
 from kiln.bench import gpu_mlp, gpu_session, gpu_suite
 from kiln.bench.contenders import GPU_NAMES, NAMES, canonical, factory_path
-from kiln.bench.contenders.kiln_gpu import report_facts
+from kiln.bench.contenders.kiln_contender import report_facts
 from kiln.compiler.exec.report import CompileReport, Fallback
 
 no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")

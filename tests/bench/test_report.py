@@ -19,7 +19,9 @@ def _result(date: str = "2026-01-02T03:04:05+00:00") -> dict[str, Any]:
                 "max_rel_err": 1e-6,
                 "best_round_cotenant_busy": 0.5 if eager > 1 else 0,
             },
-            "kiln": {"ms": kiln, "max_rel_err": 3e-6} if kiln else {"error": "unavailable: x"},
+            "kiln": {"ms": kiln, "max_rel_err": 3e-6, "extern_share": 0.25, "fallbacks": ["f: why"]}
+            if kiln
+            else {"error": "unavailable: x"},
         }
         return {
             "results": res,
@@ -49,9 +51,12 @@ def test_render_table() -> None:
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert lines[0].split("|")[1:-1] == [
         " Model ", " eager ms ", " ONNX Runtime × ", " kiln × ", " kiln vs ONNX Runtime ",
-        " floor ms ", " max rel err ",
+        " kiln extern ", " floor ms ", " max rel err ",
     ]  # fmt: skip
-    assert "| a | 1.000 | 4.00x | 5.00x | 1.25x | 0.010 (c) | 3.0e-06 (kiln) |" in lines
+    assert (
+        "| a | 1.000 | 4.00x | 5.00x | 1.25x | 25%, 1 fallback | 0.010 (c) | 3.0e-06 (kiln) |"
+        in lines
+    )
     assert "| b | 2.000 † | 1.00x | unavailable | – |" in lines[3]
     # geomean over models that have the figure: ort sqrt(4 * 1) = 2, kiln only model a
     assert lines[-1].startswith("| **geomean** |  | 2.00x | 5.00x | 1.25x |")

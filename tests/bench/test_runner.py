@@ -37,6 +37,9 @@ def test_run_suite_writes_result_with_ratios(tmp_path: Path) -> None:
     kiln = m["results"]["kiln"]
     assert "error" not in kiln and kiln["ms"] > 0  # kiln compiled, verified and was timed
     assert kiln["max_rel_err"] < 1e-4
+    assert kiln["executor"] == "native" and kiln["fallbacks"] == []
+    assert 0 <= kiln["extern_share"] <= 1 and kiln["kernel_us_total"] > 0
+    assert len(kiln["kernels"]) == kiln["n_kernels"]
     assert m["flops"] == 2 * 64 * (32 * 64 + 64 * 64 * 2 + 64 * 16)
     assert m["input_shapes"] == [[64, 32]] and m["output_shapes"] == [[64, 16]]
     assert saved["device"]["slug"] and saved["versions"]["torch"]

@@ -20,33 +20,11 @@ import torch
 from kiln.bench.contenders.kiln_contender import Kiln
 
 
-def report_facts(report: Any) -> dict[str, Any]:
-    """The facts of a ``CompileReport`` a benchmark result keeps (missing ones left out)."""
-    if report is None:
-        return {"kiln_report": None}
-    facts: dict[str, Any] = {
-        "executor": getattr(report, "executor", None),
-        "fallbacks": [f"{f.op}: {f.reason}" for f in getattr(report, "fallbacks", [])],
-        "n_kernels": len(getattr(report, "kernels", []) or []),
-        "kiln_timings_s": dict(getattr(report, "timings_s", {}) or {}),
-        "verification": getattr(report, "verification", None),
-    }
-    for key in ("graph_captured", "arena_bytes", "cache_hit"):
-        if hasattr(report, key):
-            facts[key] = getattr(report, key)
-    try:
-        facts["kiln_summary"] = str(report.summary())[:2000]
-    except Exception as e:  # noqa: BLE001 - a summary is a nicety, never a failure
-        facts["kiln_summary"] = f"summary failed: {type(e).__name__}: {e}"
-    return facts
-
-
 class KilnGpu(Kiln):
     def prepare(
         self, model: torch.nn.Module, inputs: tuple[Any, ...], workdir: Path
     ) -> dict[str, Any]:
         facts = super().prepare(model, inputs, workdir)
-        facts.update(report_facts(getattr(self._fn, "report", None)))
         facts["output_devices"] = sorted({str(t.device) for t in self.outputs()})
         return facts
 
