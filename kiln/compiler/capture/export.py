@@ -46,6 +46,7 @@ from torch.utils._pytree import TreeSpec, tree_unflatten
 from kiln.compiler.capture.builder import Builder, CaptureError, LowerResult, Unsupported, pos
 from kiln.compiler.capture.lower import find_lowering
 from kiln.compiler.capture.passes import optimize
+from kiln.compiler.capture.rnn import rnn_decompositions
 from kiln.compiler.ir.graph import Graph, TensorMeta
 
 aten = torch.ops.aten
@@ -101,10 +102,11 @@ def fallback_report(graph: Graph) -> list[Fallback]:
 
 
 def decomposition_table() -> dict[Any, Any]:
-    """Core ATen decompositions plus ``EXTRA_DECOMPOSITIONS``."""
+    """Core ATen decompositions plus ``EXTRA_DECOMPOSITIONS``, with LSTM and GRU stacks
+    split into whole layers rather than unrolled."""
     table: dict[Any, Any] = dict(torch.export.default_decompositions().items())
     table.update(torch._decomp.get_decompositions(EXTRA_DECOMPOSITIONS))
-    return table
+    return rnn_decompositions(table)  # LSTM / GRU layers stay whole (capture/rnn.py)
 
 
 def export_program(

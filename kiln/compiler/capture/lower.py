@@ -10,10 +10,11 @@ from kiln.compiler.capture import (
     lower_pointwise,
     lower_pool,
     lower_reduce,
+    rnn,
 )
 from kiln.compiler.capture.builder import LOWERINGS, LowerFn
 
-FAMILIES = (lower_pointwise, lower_reduce, lower_layout, lower_gemm, lower_pool)
+FAMILIES = (lower_pointwise, lower_reduce, lower_layout, lower_gemm, lower_pool, rnn)
 
 
 def find_lowering(target: object) -> LowerFn | None:

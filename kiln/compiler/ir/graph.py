@@ -105,13 +105,18 @@ LAYOUT_COPIES = {
     "index_select",  # (x, idx int64 1-D); attrs["dim"]: out = x.index_select(dim, idx)
 }
 OPAQUE = {"opaque"}  # attrs: target (torch OpOverload), args/kwargs templates
+# rnn: one LSTM / GRU layer, run whole (one kernel; eval_node is torch.lstm / torch.gru);
+# attrs cell ("lstm" | "gru"), batch_first, final_cell (LSTM: the output is the last cell
+# state (B, H) instead of the outputs). Inputs: LSTM (x, h0, c0, w_ih, w_hh, b_ih, b_hh),
+# GRU (x, h0, w_ih, w_hh, b_ih, b_hh); x (B, T, I) if batch_first else (T, B, I).
+RNNS = {"rnn"}
 
 OPS: dict[str, OpClass] = {
     **{op: OpClass.POINTWISE for op in UNARY | BINARY | TERNARY},
     **{op: OpClass.REDUCTION for op in REDUCTIONS},
     **{op: OpClass.GEMM for op in GEMMS},
     **{op: OpClass.LAYOUT for op in LAYOUT_VIEWS | LAYOUT_COPIES},
-    **{op: OpClass.OPAQUE for op in OPAQUE},
+    **{op: OpClass.OPAQUE for op in OPAQUE | RNNS},
 }
 
 

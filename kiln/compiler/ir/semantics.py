@@ -94,7 +94,24 @@ def eval_node(node: Node, args: Sequence[Tensor]) -> Tensor:
         return torch.cat(list(args), dim=a["dim"])
     if op == "opaque":
         return run_opaque(node, args)
+    if op == "rnn":
+        return rnn_reference(a["cell"], args, a["batch_first"], a.get("final_cell", False))
     raise NotImplementedError(f"no reference for primitive {op!r}")
+
+
+def rnn_reference(
+    cell: str, args: Sequence[Tensor], batch_first: bool, final_cell: bool = False
+) -> Tensor:
+    """One LSTM / GRU layer through PyTorch (the ``rnn`` primitive's meaning): the outputs,
+    laid out as x, contiguous; for an LSTM with ``final_cell`` the last cell state (B, H)."""
+    if cell == "lstm":
+        x, h0, c0, *weights = args
+        out, _, c = torch.lstm(x, (h0[None], c0[None]), list(weights), True, 1, 0.0, False,
+                               False, batch_first)  # fmt: skip
+        return c[0].clone() if final_cell else out.contiguous()
+    x, h0, *weights = args
+    out, _ = torch.gru(x, h0[None], list(weights), True, 1, 0.0, False, False, batch_first)
+    return out.contiguous()
 
 
 def _conv(args: Sequence[Tensor], a: dict) -> Tensor:

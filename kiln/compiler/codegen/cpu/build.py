@@ -39,6 +39,7 @@ HERE = Path(__file__).resolve().parent
 HEADERS = (
     HERE / "kiln_rt.h",
     HERE / "kiln_gemm.h",
+    HERE / "kiln_rnn.h",
     INCLUDE / "kiln_vec.h",
     INCLUDE / "kiln_vec_pow.h",
     INCLUDE / "kiln_vec_trig.h",

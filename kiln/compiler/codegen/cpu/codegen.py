@@ -35,6 +35,7 @@ from kiln.compiler.codegen.cpu.pack import pack_b
 from kiln.compiler.codegen.cpu.pointconv import pointconv_kernel
 from kiln.compiler.codegen.cpu.pointwise import emit_copy, emit_pointwise
 from kiln.compiler.codegen.cpu.reduction import RowSpec, emit_rows
+from kiln.compiler.codegen.cpu.rnn import rnn_kernel
 from kiln.compiler.fusion.program import Kernel, Program, is_extern
 from kiln.compiler.ir.graph import Node, OpClass
 from kiln.compiler.ir.layout import Access, access, contiguous_strides
@@ -152,6 +153,8 @@ class _Gen:
             return self.gemm(k, nodes)
         if len(nodes) == 1 and nodes[0].op == "cat":
             return self.cat(nodes[0])
+        if len(nodes) == 1 and nodes[0].op == "rnn":
+            return rnn_kernel(self, nodes[0])
         if len(nodes) == 1 and nodes[0].op == "index_select":
             return self.index_select(nodes[0])
         raise Unsupported(f"no native template for {sorted(n.op for n in nodes)}")

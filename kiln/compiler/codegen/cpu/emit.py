@@ -170,6 +170,7 @@ PRELUDE = r"""
 #include "kiln_rt.h"
 #include "kiln_vec.h"
 #include "kiln_gemm.h"
+#include "kiln_rnn.h"
 
 namespace kgen {
 // Strided reads/writes that kiln_vec.h does not cover (rare layouts only).
