@@ -33,6 +33,7 @@ from kiln.compiler.fusion.chains import chain_candidates
 from kiln.compiler.fusion.cost import CostModel, CostModelBase
 from kiln.compiler.fusion.gpu_cost import GpuCostModel
 from kiln.compiler.fusion.greedy import greedy_fusion
+from kiln.compiler.fusion.layouts import LayoutMode, choose_layouts
 from kiln.compiler.fusion.orchestrate import orchestrate
 from kiln.compiler.fusion.program import Kernel, Program, build_program, is_extern
 from kiln.compiler.fusion.schedule import Orchestration
@@ -65,6 +66,9 @@ class CompileOptions:
     cuda_graphs: bool = True  # triton on a GPU: replay the program as one CUDA graph
     device: str = "cpu"  # where the program runs (set from the example inputs)
     max_shapes: int = 8  # triton: programs (CUDA graphs) kept for new input shapes, at most
+    # cpp: which conv regions compute channels-last (NHWC): decided on the predicted
+    # program time ("auto"), none ("nchw": the graph as captured) or all ("nhwc")
+    layouts: LayoutMode = "auto"
 
     def __post_init__(self) -> None:
         if self.on_mismatch not in ("raise", "eager"):
@@ -79,6 +83,8 @@ class CompileOptions:
             raise ValueError("max_shapes must be >= 1")
         if self.backend not in ("auto", "cpp", "triton"):
             raise ValueError(f"backend must be 'auto', 'cpp' or 'triton', not {self.backend!r}")
+        if self.layouts not in ("auto", "nchw", "nhwc"):
+            raise ValueError(f"layouts must be 'auto', 'nchw' or 'nhwc', not {self.layouts!r}")
 
     @property
     def target(self) -> FusionTarget:
@@ -105,6 +111,7 @@ def compile(
     backend: Literal["auto", "cpp", "triton"] = "auto",
     cuda_graphs: bool = True,
     max_shapes: int = 8,
+    layouts: LayoutMode = "auto",
 ) -> CompiledModule:
     """Compile ``model`` for the shapes of ``example_inputs``.
 
@@ -115,12 +122,14 @@ def compile(
     differs from eager PyTorch (or falls back to eager with a warning when
     ``on_mismatch="eager"``). With the Triton backend a call with new input shapes compiles
     (and keeps) a program for them, up to ``max_shapes``; C++ programs keep one shape.
+    ``layouts`` picks which convolution regions of a C++ program compute channels-last:
+    ``"auto"`` those predicted to make the program faster, ``"nchw"`` none, ``"nhwc"`` all.
     """
     inputs = tuple(example_inputs)
     device = next((str(t.device) for t in inputs if t.device.type == "cuda"), "cpu")
     opts = CompileOptions(
         verify, on_mismatch, executor, solver, max_kernel_nodes, measure, cache,
-        backend, cuda_graphs, device, max_shapes,
+        backend, cuda_graphs, device, max_shapes, layouts,
     )  # fmt: skip
     return compile_with(model, inputs, opts)
 
@@ -131,9 +140,18 @@ def compile_with(
     t0 = time.perf_counter()
     cap = _capture(model, example_inputs, opts.cache)
     capture_s = time.perf_counter() - t0
-    graph = for_cpu_backend(cap.graph) if opts.resolved_backend == "cpp" else cap.graph
+    graph, notes, layout_s = cap.graph, list[str](), dict[str, float]()
+    if opts.resolved_backend == "cpp":
+        t0 = time.perf_counter()
+        basis = "measured kernels" if opts.measure else "cost model"
+        choice = choose_layouts(
+            for_cpu_backend(cap.graph), lambda g: _objective(g, opts), opts.layouts, basis
+        )
+        graph, notes = choice.graph, choice.notes
+        layout_s = {"layouts": time.perf_counter() - t0}
     compiled = compile_graph(graph, opts, name=type(model).__name__)
-    compiled.report.timings_s = {"capture": capture_s, **compiled.report.timings_s}
+    compiled.report.notes[:0] = notes
+    compiled.report.timings_s = {"capture": capture_s, **layout_s, **compiled.report.timings_s}
     fallbacks = [Fallback(f.aten_op, f.reason) for f in fallback_report(graph)]
     compiled.report.fallbacks[:0] = fallbacks
     compiled.set_output_spec(None if cap.out_spec.is_leaf() else cap.out_spec)
@@ -208,6 +226,13 @@ def _cost_model(
     dev = torch.device(opts.device)
     profile = load_gpu_profile(dev) if dev.type == "cuda" else gpu_profile("H100")
     return GpuCostModel(profile, measure=measure, cuda_graph=opts.cuda_graphs)
+
+
+def _objective(graph: Graph, opts: CompileOptions) -> float:
+    """Predicted time (µs) of the best program for ``graph``: what layouts are chosen on."""
+    measure = measurer(graph, _builder(opts)) if opts.measure else None
+    orch, _ = _orchestrate(graph, _cost_model(opts, measure), opts)
+    return orch.objective
 
 
 def _orchestrate(

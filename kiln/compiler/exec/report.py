@@ -49,6 +49,7 @@ class CompileReport:
     isa: str = ""  # the CPU's instruction set, or the device a GPU program runs on
     graph_captured: bool = False  # GPU: the program replays as one CUDA graph
     arena_bytes: int = 0  # static memory plan: bytes of intermediates
+    notes: list[str] = field(default_factory=list)  # decisions made before orchestration
 
     def summary(self) -> str:
         s = self.solver
@@ -65,6 +66,7 @@ class CompileReport:
             )
         lines.append("  time: " + ", ".join(f"{k} {v:.2f}s" for k, v in self.timings_s.items()))
         lines.append(f"  verification: {self.verification}")
+        lines += [f"  {note}" for note in self.notes]
         for f in self.fallbacks:
             lines.append(f"  fallback: {f.op}: {f.reason}")
         return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Candidate kernels: template-legal, convex, connected sets of primitive nodes.
 
 A ``Candidate`` is a set of IR nodes plus the codegen template that runs it
-(``pointwise``, ``reduction``, ``gemm``, ``conv``, ``dwconv`` or ``single``; the rules
+(``pointwise``, ``reduction``, ``gemm``, ``conv``, ``dwconv``, ``dconv`` or ``single``; the rules
 are in ``legal_template``). A node set may have two templates (a depthwise conv with a
 bias and a ReLU runs natively as ``dwconv`` or through oneDNN as ``conv``): each is a
 candidate of its own, and the cost model picks. ``out(k)`` are the values it must store (graph outputs
@@ -29,6 +29,7 @@ import torch
 
 from kiln.compiler.fusion.aliases import GraphIndex, members
 from kiln.compiler.fusion.convs import (
+    is_dense_nhwc_conv,
     is_depthwise_conv,
     is_pointwise_conv,
     onednn_chained,
@@ -38,7 +39,7 @@ from kiln.compiler.ir.graph import LAYOUT_VIEWS, Graph, Node, OpClass
 
 log = logging.getLogger(__name__)
 
-TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "dwconv", "single")
+TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "dwconv", "dconv", "single")
 BOOL_OPS = frozenset(
     {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
 )
@@ -78,7 +79,8 @@ def _node_kind(
 ) -> str:
     """'pw', 'red', 'mm', 'conv', 'dw' (a depthwise conv the CPU's native template runs,
     see ``convs.py``: not one of the ``chained``; None: no such template), 'pwc' (a 1x1
-    conv the CPU's gemm template runs) for nodes a native template may hold, else 'other'.
+    conv the CPU's gemm template runs), 'dc' (a dense channels-last conv the CPU's dconv
+    template runs) for nodes a native template may hold, else 'other'.
 
     Native templates compute in float (bool only from comparison/logical ops and casts),
     on values of the target's ``dtypes``.
@@ -102,6 +104,8 @@ def _node_kind(
         return "dw"
     if chained is not None and is_pointwise_conv(graph, node):
         return "pwc"
+    if chained is not None and is_dense_nhwc_conv(graph, node):
+        return "dc"
     return "conv" if node.op == "conv" else "other"
 
 
@@ -123,7 +127,7 @@ class TemplateRules:
         for i, k in enumerate(self.kind):
             if k in ("view", "other"):
                 self.blocked |= 1 << i
-            if k in ("mm", "conv", "dw", "pwc"):
+            if k in ("mm", "conv", "dw", "pwc", "dc"):
                 self.heavy |= 1 << i
 
     def _red_key(self, i: int) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -148,7 +152,7 @@ class TemplateRules:
             k = kinds[i]
             if k == "red":
                 red_keys.add(self._red_key(i))
-            elif k in ("mm", "dw", "pwc"):  # a superset of what the conv template allows
+            elif k in ("mm", "dw", "pwc", "dc"):  # a superset of what the conv template allows
                 mm_shape = self.shape[i]
             elif k == "pw":
                 shapes.add(self.shape[i])
@@ -175,7 +179,10 @@ class TemplateRules:
         other sets have at most one."""
         main = self._template(mask)
         heavy = self.heavy & mask
-        if main in ("dwconv", "gemm") and self.ix.nodes[heavy.bit_length() - 1].op == "conv":
+        if (
+            main in ("dwconv", "gemm", "dconv")
+            and self.ix.nodes[heavy.bit_length() - 1].op == "conv"
+        ):
             eps = list(members(mask & ~heavy))
             if onednn_post_ops_ok(self.ix, mask, heavy.bit_length() - 1, eps):
                 return [main, "conv"]
@@ -188,18 +195,21 @@ class TemplateRules:
         if mask.bit_count() == 1:
             k = self.kind[mask.bit_length() - 1]
             single = {"pw": "pointwise", "red": "reduction", "mm": "gemm", "conv": "conv"}
-            return {**single, "dw": "dwconv", "pwc": "gemm"}.get(k, "single")
+            return {**single, "dw": "dwconv", "pwc": "gemm", "dc": "dconv"}.get(k, "single")
         if self.target.chains and (mask & self.heavy).bit_count() > 1:
             return "chain" if self._chain_ok(mask) else None
         if not self.extendable(mask) or not ix.is_convex(mask) or not self._connected(mask):
             return None
-        by_kind: dict[str, list[int]] = {k: [] for k in ("pw", "red", "mm", "conv", "dw", "pwc")}
+        kinds = ("pw", "red", "mm", "conv", "dw", "pwc", "dc")
+        by_kind: dict[str, list[int]] = {k: [] for k in kinds}
         for i in members(mask):
             by_kind[self.kind[i]].append(i)
         if by_kind["mm"] or by_kind["pwc"]:
             return "gemm" if self._gemm_ok(mask, (by_kind["mm"] + by_kind["pwc"])[0]) else None
         if by_kind["dw"]:
             return "dwconv" if self._gemm_ok(mask, by_kind["dw"][0]) else None
+        if by_kind["dc"]:
+            return "dconv" if self._gemm_ok(mask, by_kind["dc"][0]) else None
         if by_kind["conv"]:
             conv_ok = onednn_post_ops_ok(self.ix, mask, by_kind["conv"][0], by_kind["pw"])
             return "conv" if conv_ok else None

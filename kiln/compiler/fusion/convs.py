@@ -4,8 +4,13 @@
   ``conv`` template, an extern).
 * ``is_depthwise_conv``: the native ``dwconv`` template's convolutions.
 * ``is_pointwise_conv``: 1x1 convolutions, which the native ``gemm`` template runs as
-  W (C_out, C_in) @ X (C_in, spatial) per image.
-* ``onednn_chained``: depthwise convolutions that would break a channels-last oneDNN
+  W (C_out, C_in) @ X (C_in, spatial) per image (channels-last: X (pixels, C_in) @ W^T).
+* ``is_dense_nhwc_conv``: dense channels-last convs, the native ``dconv`` template's
+  (a direct implicit GEMM, ``codegen/cpu/conv_nhwc.py``); oneDNN runs them too.
+* ``is_channels_last``: a conv on (N, *spatial, C) values (``capture/channels_last.py``),
+  whose 1x1 form is a GEMM with the constant weight packed at compile time and whose
+  depthwise form vectorises along channels.
+* ``onednn_chained``: NCHW depthwise convolutions that would break a channels-last oneDNN
   chain. Consecutive conv externs, each reading only the previous one's output, run as
   one NHWC oneDNN call (``codegen/cpu/entry.conv_chain``), which spares the dense convs
   the NCHW <-> blocked reorders. Taking the depthwise conv out of such a chain splits it
@@ -40,12 +45,15 @@ def onednn_post_ops_ok(ix: GraphIndex, mask: int, c: int, eps: list[int]) -> boo
         ops = ops[1:]
     if ops not in ([], ["relu"], ["maximum", "minimum"]):
         return False
+    channel_dim = len(shape) - 1 if is_channels_last(nodes[c]) else 1
     for prev, cur in zip(chain, chain[1:]):
         node, prev_out = nodes[cur], nodes[prev].output
         if g.meta(node.output).shape != shape or prev_out not in node.inputs:
             return False
         other = [v for v in node.inputs if v != prev_out]
-        if node.op == "add" and (len(other) != 1 or not _per_channel_param(ix, other[0], shape)):
+        if node.op == "add" and (
+            len(other) != 1 or not _per_channel_param(ix, other[0], shape, channel_dim)
+        ):
             return False
         if node.op in ("maximum", "minimum") and (
             len(other) != 1 or g.values[other[0]].kind != ValueKind.CONST
@@ -58,7 +66,11 @@ def onednn_post_ops_ok(ix: GraphIndex, mask: int, c: int, eps: list[int]) -> boo
     return True
 
 
-def _per_channel_param(ix: GraphIndex, value: str, out_shape: tuple[int, ...]) -> bool:
+def _per_channel_param(
+    ix: GraphIndex, value: str, out_shape: tuple[int, ...], channel_dim: int
+) -> bool:
+    """``value`` is a parameter broadcast along every dim of ``out_shape`` but the
+    channels' (dim 1 of NCHW values, the last of channels-last ones)."""
     g = ix.graph
     if g.values[ix.root[value]].kind != ValueKind.PARAM:
         return False
@@ -66,7 +78,13 @@ def _per_channel_param(ix: GraphIndex, value: str, out_shape: tuple[int, ...]) -
     if len(shape) > len(out_shape) or len(out_shape) < 2:
         return False
     padded = (1,) * (len(out_shape) - len(shape)) + tuple(shape)
-    return padded[1] in (1, out_shape[1]) and all(s == 1 for d, s in enumerate(padded) if d != 1)
+    c = channel_dim
+    return padded[c] in (1, out_shape[c]) and all(s == 1 for d, s in enumerate(padded) if d != c)
+
+
+def is_channels_last(node: Node) -> bool:
+    """A conv whose activations are (N, *spatial, C) (see ``ir/graph.py``)."""
+    return node.op == "conv" and bool(node.attrs.get("channels_last", False))
 
 
 def is_depthwise_conv(graph: Graph, node: Node) -> bool:
@@ -75,9 +93,10 @@ def is_depthwise_conv(graph: Graph, node: Node) -> bool:
     if node.op != "conv" or not all(graph.is_constant(v) for v in node.inputs[1:]):
         return False
     w, x = graph.meta(node.inputs[1]).shape, graph.meta(node.inputs[0]).shape
+    channels = x[-1] if is_channels_last(node) else x[1]
     return (
         len(x) in (3, 4)
-        and node.attrs["groups"] == x[1] == w[0]
+        and node.attrs["groups"] == channels == w[0]
         and w[1] == 1
         and all(graph.meta(v).dtype == torch.float32 for v in (*node.inputs, node.output))
     )
@@ -99,9 +118,23 @@ def is_pointwise_conv(graph: Graph, node: Node) -> bool:
     )
 
 
+def is_dense_nhwc_conv(graph: Graph, node: Node) -> bool:
+    """A 1-D or 2-D fp32 channels-last conv with one group and constant weight and bias,
+    not a stride-1 1x1 (a GEMM): what the native ``dconv`` template runs."""
+    if not is_channels_last(node) or not all(graph.is_constant(v) for v in node.inputs[1:]):
+        return False
+    return (
+        len(graph.meta(node.inputs[1]).shape) in (3, 4)
+        and node.attrs["groups"] == 1
+        and not is_pointwise_conv(graph, node)
+        and all(graph.meta(v).dtype == torch.float32 for v in (*node.inputs, node.output))
+    )
+
+
 def onednn_chained(graph: Graph) -> set[str]:
-    """Names of the 2-D depthwise convs that feed, or are fed by, a dense 2-D conv
-    through oneDNN post-ops only, every value on the way read by that one node."""
+    """Names of the 2-D NCHW depthwise convs that feed, or are fed by, a dense 2-D conv
+    through oneDNN post-ops only, every value on the way read by that one node
+    (channels-last convs run in oneDNN without reorders: no chain to keep)."""
     users = graph.consumers()
 
     def dense_2d(n: Node) -> bool:  # a 2-D conv only oneDNN runs
@@ -138,6 +171,7 @@ def onednn_chained(graph: Graph) -> set[str]:
         n.name
         for n in graph.nodes
         if is_depthwise_conv(graph, n)
+        and not is_channels_last(n)
         and len(graph.meta(n.output).shape) == 4
         and (fed_by_conv(n.inputs[0]) or feeds_conv(n.output))
     }

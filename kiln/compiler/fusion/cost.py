@@ -6,7 +6,9 @@ Roofline: ``max(compute, memory) + fixed`` where
   ``ONEDNN_DEPTHWISE_EFFICIENCY`` for a depthwise conv through oneDNN)
   + other FLOPs / peak (about 1 per pointwise element, more for transcendentals);
   a native depthwise conv (``dwconv``) counts 2 x taps per output with every output
-  row rounded up to whole vectors, at ``DWCONV_EFFICIENCY`` of peak;
+  row rounded up to whole vectors, at ``DWCONV_EFFICIENCY`` of peak; a native dense
+  channels-last conv (``dconv``) its GEMM FLOPs with C_out rounded up to whole vectors,
+  at ``DCONV_EFFICIENCY`` times the GEMM efficiency of its size;
 * memory = bytes / bandwidth, bytes = reads of in(k) and of parameters (each read
   capped at its storage's size: a slice reads part of it, an expand no more than
   it) + writes of out(k);
@@ -55,6 +57,15 @@ ONEDNN_CONV_US = 25.0
 # oneDNN's NCHW depthwise convs run far below GEMM rates: measured 6-20 GFLOP/s (3x3,
 # 28x28 to 112x112 planes, batch 1 and 8), where its GEMMs reach about 210.
 ONEDNN_DEPTHWISE_EFFICIENCY = 0.1
+# The native dense channels-last conv (codegen/cpu/conv_nhwc.py, a direct implicit GEMM),
+# measured on Zen 5 with 2 threads against oneDNN on ResNet-18 and style-transfer layers
+# (3x3, 7..28 px, 32-256 channels): 0.9-1.2x oneDNN's rate (136-228 GFLOP/s), and 2-5x
+# on 3-channel stems, where oneDNN falls to 37-100 GFLOP/s (not modelled: the BLP
+# already prefers the native kernel there, as it has no oneDNN call to pay).
+DCONV_EFFICIENCY = 1.0
+# ... but on images of few pixels (ResNet-18's 4x4 stage, 512 channels) each pass over the
+# weights serves few pixels: 0.7x oneDNN's rate measured at 16 pixels.
+DCONV_FEW_PIXELS, DCONV_FEW_PIXELS_EFFICIENCY = 24, 0.6
 _LANES = {"avx512": 16, "avx2": 8}
 
 
@@ -98,6 +109,14 @@ def dwconv_flops(node: Node, graph: Graph, lanes: int) -> float:
     for s in graph.meta(node.inputs[1]).shape[2:]:
         taps *= s
     return 2.0 * rows * -(-out[-1] // lanes) * lanes * taps
+
+
+def dconv_flops(node: Node, graph: Graph, lanes: int) -> float:
+    """GEMM FLOPs of a channels-last conv with C_out (the last dim of its output, the
+    vectorised one) rounded up to whole vectors of ``lanes``."""
+    out = graph.meta(node.output).shape
+    c_out = out[-1]
+    return gemm_flops(node, graph) / c_out * (-(-c_out // lanes) * lanes)
 
 
 def node_flops(node: Node, graph: Graph) -> float:
@@ -171,6 +190,14 @@ def estimate(
             compute_us += dwconv_flops(n, graph, lanes) / (
                 profile.peak_gflops * DWCONV_EFFICIENCY * 1e3
             )
+        elif n.cls == OpClass.GEMM and candidate.template == "dconv":
+            lanes = _LANES.get(profile.isa, 8)
+            f = dconv_flops(n, graph, lanes)
+            eff = profile.efficiency(gemm_flops(n, graph)) * DCONV_EFFICIENCY
+            pixels = graph.meta(n.output).numel // graph.meta(n.output).shape[-1]
+            if pixels < DCONV_FEW_PIXELS * graph.meta(n.output).shape[0]:
+                eff *= DCONV_FEW_PIXELS_EFFICIENCY
+            compute_us += f / (profile.peak_gflops * eff * 1e3)
         elif n.cls == OpClass.GEMM:
             f = gemm_flops(n, graph)
             eff = profile.efficiency(f)

@@ -91,7 +91,9 @@ REDUCTIONS = {"sum", "max", "min"}  # attrs: dims: tuple[int, ...], keepdim: boo
 GEMMS = {
     "mm",  # (M, K) x (K, N) -> (M, N)
     "bmm",  # (B, M, K) x (B, K, N) -> (B, M, N)
-    # conv: (x, w[, b]); attrs stride, padding, dilation: tuple[int, ...], groups: int
+    # conv: (x, w[, b]); attrs stride, padding, dilation: tuple[int, ...], groups: int;
+    # x (N, C, *spatial) -> (N, C_out, *spatial'), or with attrs["channels_last"] True
+    # x (N, *spatial, C) -> (N, *spatial', C_out); w is (C_out, C/groups, *kernel) either way
     "conv",
 }
 LAYOUT_VIEWS = {

@@ -118,6 +118,10 @@ def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
     x, w = args[0], args[1]
     b = args[2] if len(args) > 2 else None
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[w.dim() - 2]
+    if a.get("channels_last"):
+        # x (N, *spatial, C) -> y (N, *spatial', C_out), both stored contiguously
+        y = conv(x.movedim(-1, 1), w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
+        return y.movedim(1, -1).contiguous()
     return conv(x, w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
 
 

@@ -250,8 +250,9 @@ def test_embedding_model_is_fully_native() -> None:
 
 
 def test_depthwise_separable_conv_chain_matches_eager() -> None:
-    """Consecutive convs with a depthwise one run as one channels-last oneDNN chain
-    (dense 3x3 convs around it: 1x1 ones would run natively, and the depthwise one too)."""
+    """On NCHW values (``layouts="nchw"``), consecutive convs with a depthwise one run as
+    one channels-last oneDNN chain (dense 3x3 convs around it: 1x1 ones would run
+    natively, and the depthwise one too)."""
     import kiln
 
     block = torch.nn.Sequential(
@@ -260,7 +261,7 @@ def test_depthwise_separable_conv_chain_matches_eager() -> None:
         torch.nn.Conv2d(24, 8, 3, padding=1),
     ).eval()  # fmt: skip
     x = torch.randn(1, 8, 12, 12)
-    compiled = kiln.compile(block, (x,), cache=False)
+    compiled = kiln.compile(block, (x,), cache=False, layouts="nchw")
     program = compiled.native_program
     assert program is not None and any(" > " in e.what for e in program.externs)
     assert_close_to_reference(compiled(x), block(x), rtol_to_max=1e-5)

@@ -168,14 +168,15 @@ def test_depthwise_conv_has_both_templates() -> None:
 
 
 def test_depthwise_conv_in_a_onednn_chain_stays_there() -> None:
-    """Next to a conv only oneDNN runs (a dense 3x3 one), a depthwise conv keeps the
-    channels-last oneDNN chain; next to 1x1 convs (native GEMMs) it runs natively."""
+    """On NCHW values (``layouts="nchw"``), next to a conv only oneDNN runs (a dense 3x3
+    one), a depthwise conv keeps the channels-last oneDNN chain; next to 1x1 convs
+    (native GEMMs) it runs natively."""
     block = nn.Sequential(
         nn.Conv2d(8, 24, 3, padding=1), nn.ReLU6(),
         nn.Conv2d(24, 24, 3, padding=1, groups=24), nn.ReLU6(),
         nn.Conv2d(24, 8, 1),
     ).eval()  # fmt: skip
     x = torch.randn(1, 8, 12, 12)
-    compiled = kiln.compile(block, (x,), cache=False)
+    compiled = kiln.compile(block, (x,), cache=False, layouts="nchw")
     assert not any(k.template == "dwconv" for k in compiled.report.kernels)
     assert compare(compiled(x), block(x), 1e-5).ok

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.compiler.codegen.cpu.colreduce import column_reduction
+from kiln.compiler.codegen.cpu.conv_nhwc import conv_nhwc_kernel
 from kiln.compiler.codegen.cpu.dwconv import dwconv_kernel
 from kiln.compiler.codegen.cpu.emit import NATIVE_DTYPES, Operand, cfloat, supports_pointwise
 from kiln.compiler.codegen.cpu.entry import (
@@ -139,11 +141,17 @@ class _Gen:
             return emit_copy(src, self.out_operand(v), shape, self.threads)
         if k.template == "dwconv":
             return dwconv_kernel(self, k, nodes)
+        if k.template == "dconv":
+            return conv_nhwc_kernel(self, k, nodes)
         if k.template == "gemm" and nodes[0].op == "conv":
             return pointconv_kernel(self, k, nodes)
         classes = {n.cls for n in nodes}
         if classes == {OpClass.POINTWISE}:
             return self.pointwise(k, nodes)
+        if len(nodes) == 1 and nodes[0].cls == OpClass.REDUCTION:
+            column = column_reduction(self, nodes[0], self.nr // 2)
+            if column is not None:
+                return column
         if OpClass.REDUCTION in classes and classes <= {OpClass.REDUCTION, OpClass.POINTWISE}:
             return self.rows(k, nodes)
         if any(n.op in ("mm", "bmm") for n in nodes) and classes <= {

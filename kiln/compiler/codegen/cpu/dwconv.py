@@ -1,5 +1,5 @@
 """Depthwise convolutions (groups == channels, multiplier 1), 1-D and 2-D, NCHW, with a
-fused pointwise epilogue.
+fused pointwise epilogue (channels-last ones: ``dwconv_nhwc.py``, lowered here too).
 
 One task per (image, channel) plane, run in parallel. A task first copies its input
 plane into a per-thread scratch buffer, zero-padded and split by the column stride
@@ -20,6 +20,12 @@ from typing import Protocol
 
 import torch
 
+from kiln.compiler.codegen.cpu.dwconv_nhwc import (
+    DwNhwcSpec,
+    NhwcEpilogue,
+    emit_dwconv_nhwc,
+    pack_filters,
+)
 from kiln.compiler.codegen.cpu.emit import (
     Operand,
     load,
@@ -28,7 +34,7 @@ from kiln.compiler.codegen.cpu.emit import (
     store,
     supports_pointwise,
 )
-from kiln.compiler.fusion.convs import is_depthwise_conv
+from kiln.compiler.fusion.convs import is_channels_last, is_depthwise_conv
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Graph, Node
 
@@ -232,6 +238,8 @@ def dwconv_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
     for e in nodes[1:]:
         if not supports_pointwise(e) or g.meta(e.output).shape != out_shape:
             raise ValueError(f"epilogue op {e.op} {g.meta(e.output).shape}")
+    if is_channels_last(conv):
+        return dwconv_nhwc_kernel(gen, k, nodes)
     has_bias = len(conv.inputs) > 2
 
     def filters() -> torch.Tensor:  # the filter taps, then the biases
@@ -262,3 +270,64 @@ def dwconv_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
         dtypes=gen.dtypes(),
     )
     return emit_dwconv(spec, gen.nr // 2, gen.threads)
+
+
+def nhwc_4d(op: Operand) -> Operand:
+    """Strides over (n, w, c) as strides over (n, 1, w, c)."""
+    if len(op.strides) == 4:
+        return op
+    n, w, c = op.strides
+    return Operand(op.ptr, op.dtype, op.offset, (n, 0, w, c))
+
+
+def dwconv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
+    """Lower a channels-last ``dwconv`` kernel (``dwconv_nhwc.py``)."""
+    g, conv = gen.g, nodes[0]
+    out_shape = g.meta(conv.output).shape  # (N, *spatial', C)
+    x_shape = g.meta(conv.inputs[0]).shape  # (N, *spatial, C)
+    lanes = gen.nr // 2
+    x = nhwc_4d(gen.operand(conv.inputs[0], x_shape))
+    if x.strides[3] != 1:
+        raise ValueError("channels of a channels-last depthwise conv input are not contiguous")
+    w_name, b_name = conv.inputs[1], conv.inputs[2] if len(conv.inputs) > 2 else None
+
+    def filters() -> torch.Tensor:
+        bias = g.constants[b_name] if b_name is not None else None
+        return pack_filters(g.constants[w_name], bias, lanes)
+
+    weights = gen.prepared_param(("dwconv_nhwc", w_name, b_name, lanes), filters)
+    a = conv.attrs
+    spec = DwNhwcSpec(
+        batch=out_shape[0],
+        channels=out_shape[-1],
+        in_hw=as_2d(x_shape[1:-1], 1),
+        out_hw=as_2d(out_shape[1:-1], 1),
+        kernel=as_2d(g.meta(w_name).shape[2:], 1),
+        stride=as_2d(a["stride"], 1),
+        padding=as_2d(a["padding"], 0),
+        dilation=as_2d(a["dilation"], 1),
+        x=x,
+        weights=weights,
+        epi=nhwc_epilogue(gen, k, nodes),
+    )
+    return emit_dwconv_nhwc(spec, lanes, gen.threads)
+
+
+def nhwc_epilogue(gen: KernelState, k: Kernel, nodes: list[Node]) -> NhwcEpilogue:
+    """The epilogue of a channels-last conv kernel (the conv first, then pointwise ops
+    of its output shape; ValueError for anything else)."""
+    g, conv = gen.g, nodes[0]
+    out_shape = g.meta(conv.output).shape
+    for e in nodes[1:]:
+        if not supports_pointwise(e) or g.meta(e.output).shape != out_shape:
+            raise ValueError(f"epilogue op {e.op} {g.meta(e.output).shape}")
+    ext = [v for v in gen.external_inputs(nodes[1:]) if v != conv.output]
+    consts = gen.consts(ext)
+    return NhwcEpilogue(
+        acc_value=conv.output,
+        nodes=tuple(nodes[1:]),
+        ext={v: nhwc_4d(gen.operand(v, out_shape)) for v in ext if v not in consts},
+        consts=consts,
+        outs={v: nhwc_4d(gen.out_operand(v)) for v in k.outputs},
+        dtypes=gen.dtypes(),
+    )

@@ -56,6 +56,8 @@ def conv_chain(prog: Program, first: int, consumers: dict[str, list[Node]]) -> l
     for k in prog.kernels[first:]:
         if not (is_extern(g, k) and is_conv(g, k)) or len(k.outputs) != 1:
             break
+        if any(g.node(n).attrs.get("channels_last") for n in k.nodes):
+            break  # already channels-last: each conv runs as its own NHWC call
         if chain:
             prev = chain[-1].outputs[0]
             conv = next(g.node(n) for n in k.nodes if g.node(n).op == "conv")

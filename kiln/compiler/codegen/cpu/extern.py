@@ -163,6 +163,26 @@ def conv_step(
     conv_op = torch.ops.mkldnn._convolution_pointwise
     if attr == "hardtanh" and scalars[1] == float("inf"):
         return None  # a lone maximum is not a oneDNN post-op
+    if a.get("channels_last"):
+        # The kernel's values are (N, H, W, C) already: oneDNN reads and writes them as
+        # NCHW-shaped tensors in channels-last memory format, no reorder on the way. The
+        # weight is reordered once here, to the blocked format oneDNN computes with (as
+        # channels-last weights it would reorder them on every call: measured 5x slower
+        # for a 512-channel 3x3 conv on 4x4 pixels).
+        n_, *spatial, c_ = x_access.shape
+        try:
+            wt = torch.ops.mkldnn._reorder_convolution_weight(
+                w.contiguous(), padding, stride, dilation, groups, [n_, c_, *spatial]
+            )
+        except RuntimeError:
+            wt = w.contiguous(memory_format=torch.channels_last)
+
+        def nhwc(x: Tensor) -> Tensor:
+            y = x.permute(0, 3, 1, 2).contiguous(memory_format=torch.channels_last)
+            y = conv_op(y, wt, bias, padding, stride, dilation, groups, attr, scalars, "")
+            return y.permute(0, 2, 3, 1).contiguous()  # a no-op when oneDNN kept NHWC
+
+        return nhwc, x_access, "conv(nhwc)" + ("+bias" if bias is not None else "") + f"+{attr}"
     if channels_last:
         wt = w.contiguous(memory_format=torch.channels_last)
     else:

@@ -1,0 +1,225 @@
+"""Dense channels-last 1-D/2-D convolutions (one group) as direct implicit GEMMs, with
+a fused pointwise epilogue (the ``dconv`` template): x (N, IH, IW, C_in), out (N, OH, OW,
+C_out) (1-D: IH = OH = KH = 1).
+
+Each output pixel is a row of a GEMM whose K runs over the taps and, within a tap,
+over the input channels, which are contiguous in an NHWC image: the row's "A" data is
+KH * KW contiguous runs of C_in floats, read in place (no im2col buffer). The weight
+is packed once at compile time into one panel per block of ``CB`` output-channel
+vectors, tap-major, (KH, KW, C_in, CB * W) contiguous, so a K step is one row of ``CB``
+weight vectors and a task streams its panel linearly. A register block holds
+``PX`` pixels x ``CB`` output-channel vectors: per K step, ``CB`` weight loads, ``PX``
+broadcasts of input channels, ``PX * CB`` FMAs. Taps in the padding read a zero row
+instead (one pointer per pixel and tap), so the border needs no other code. Tasks are
+(image, output row, output-channel block), run in parallel; pixels past the last full
+block run in a block of their own size. This is what the stem of a CNN wants (3 input
+channels, where oneDNN's NHWC call runs at a fraction of its usual rate); oneDNN stays
+the other choice for every dense conv, and the cost model picks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_epilogue
+from kiln.compiler.codegen.cpu.dwconv_nhwc import (
+    NhwcEpilogue,
+    channel_blocks,
+    epilogue,
+)
+from kiln.compiler.codegen.cpu.emit import Operand
+from kiln.compiler.fusion.convs import is_dense_nhwc_conv
+from kiln.compiler.fusion.program import Kernel
+from kiln.compiler.ir.graph import Node
+
+MIN_TASK_FMAS = 1 << 12  # vector FMAs a parallel chunk holds at least
+PREFETCH_ROWS = 16  # weight rows (K steps) fetched ahead
+TASK_PIXELS = 48  # output pixels a task holds at least (each task streams its weights)
+
+
+@dataclass(frozen=True)
+class ConvNhwcSpec:
+    batch: int
+    c_in: int
+    c_out: int
+    in_hw: tuple[int, int]
+    out_hw: tuple[int, int]
+    kernel: tuple[int, int]
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    x: Operand  # strides (n, h, w, c)
+    weights: str  # C++ pointer: ``pack_weights``' panels, then the biases
+    epi: NhwcEpilogue
+
+
+def panel_width(c_out: int, lanes: int) -> int:
+    """Output channels per block (a whole number of vectors, at most two)."""
+    return channel_blocks(c_out, lanes, 2)[1] * lanes
+
+
+def pack_weights(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torch.Tensor:
+    """w (C_out, C_in, KH, KW) [+ bias] -> flat panels (blocks, KH * KW * C_in, PW), one per
+    block of PW output channels (zero padded), then the bias (blocks * PW,): a task streams
+    one contiguous panel."""
+    c_out = w.shape[0]
+    pw = panel_width(c_out, lanes)
+    blocks = -(-c_out // pw)
+    rows = w.float().permute(2, 3, 1, 0).reshape(-1, c_out)  # (KH * KW * C_in, C_out)
+    padded = torch.zeros(rows.shape[0], blocks * pw)
+    padded[:, :c_out] = rows
+    panels = padded.reshape(-1, blocks, pw).permute(1, 0, 2).reshape(-1)
+    b = torch.zeros(blocks * pw)
+    if bias is not None:
+        b[:c_out] = bias.float().reshape(-1)
+    return torch.cat([panels, b]).contiguous()
+
+
+def pixels_per_block(lanes: int) -> int:
+    return 6 if lanes == 16 else 4
+
+
+def pixel_chunks(pixels: int, px: int, tasks: int, threads: int) -> int:
+    """Pixels per task (a multiple of ``px``): the image's pixels split so that there are
+    about 4 tasks per thread when the ``tasks`` (image, channel block) pairs are fewer,
+    each at least ``TASK_PIXELS``."""
+    want = -(-4 * threads // tasks) if threads > 1 else 1
+    chunk = max(-(-pixels // want), TASK_PIXELS)
+    return min(-(-chunk // px) * px, -(-pixels // px) * px)
+
+
+def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
+    """The kernel body for ``lanes`` floats per vector (``kv::W``, checked at compile time)."""
+    oh_n, ow_n = s.out_hw
+    kh, kw = s.kernel
+    blocks, per, last = channel_blocks(s.c_out, lanes, 2)
+    tail = s.c_out - (-(-s.c_out // lanes) - 1) * lanes
+    tail_n = None if tail == lanes else tail
+    px = pixels_per_block(lanes)
+    pixels = oh_n * ow_n
+    chunk = pixel_chunks(pixels, px, s.batch * blocks, threads)
+    chunks = -(-pixels // chunk)
+    tasks = s.batch * blocks * chunks
+    task_fmas = chunk * kh * kw * s.c_in * per
+    grain = tasks if threads <= 1 else max(1, -(-MIN_TASK_FMAS // task_fmas))
+    x = s.x
+    L = [
+        f'static_assert(kv::W == {lanes}, "conv_nhwc emitted for another vector width");',
+        f"static const float zrow[{s.c_in}] = {{}};  // the padding",
+        f"const float* wt = {s.weights};",
+        f"const float* bias = wt + {kh * kw * s.c_in * blocks * per * lanes};",
+        "auto task = [&](int64_t t0, int64_t t1) {",
+        "  for (int64_t t = t0; t < t1; ++t) {",
+        f"    const int64_t q = t % {chunks}, r = t / {chunks};",  # chunk fastest: shares weights
+        f"    const int64_t cb = r % {blocks}, n = r / {blocks};",
+        f"    const int64_t c0 = cb * {per * lanes};",
+        f"    const int64_t m0 = q * {chunk}, m1 = std::min<int64_t>(m0 + {chunk}, {pixels});",
+        f"    const float* xn = {x.ptr} + {x.offset} + n * {x.strides[0]};",
+    ]
+    if last == per and tail_n is None:
+        L += ["    " + line for line in _pixels(s, per, None, lanes)]
+    else:
+        L.append(f"    if (cb < {blocks - 1}) {{")
+        L += ["      " + line for line in _pixels(s, per, None, lanes)]
+        L.append("    } else {")
+        L += ["      " + line for line in _pixels(s, last, tail_n, lanes)]
+        L.append("    }")
+    L += ["  }", "};", f"kiln::parallel(rt, {tasks}, {grain}, task);"]
+    return L
+
+
+def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]:
+    """Output pixels [m0, m1) (flat over the image) in blocks, then one at a time."""
+    px = pixels_per_block(lanes)
+    L = ["int64_t m = m0;", f"for (; m + {px} <= m1; m += {px}) {{"]
+    L += ["  " + line for line in _block(s, px, nb, tail, lanes)]
+    L += ["}", "for (; m < m1; ++m) {"]
+    L += ["  " + line for line in _block(s, 1, nb, tail, lanes)]
+    L.append("}")
+    return L
+
+
+def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
+    """Pixels m .. m + npx - 1 x ``nb`` output-channel vectors from ``c0``."""
+    (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    pw_ = panel_width(s.c_out, lanes)
+    k_all = kh * kw * s.c_in
+    sx_h, sx_w, sx_c = s.x.strides[1], s.x.strides[2], s.x.strides[3]
+    L = []
+    for p in range(npx):
+        L.append(f"const int64_t oh{p} = (m + {p}) / {ow_n}, ow{p} = (m + {p}) % {ow_n};")
+    L += [
+        f"kv::V a{p}_{j} = kv::load(bias + c0 + {j * lanes});"
+        for p in range(npx)
+        for j in range(nb)
+    ]
+    L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
+    for p in range(npx):
+        L.append(f"  const int64_t ih{p} = oh{p} * {sh} - {ph} + u * {dh};")
+    L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
+    for p in range(npx):
+        L.append(f"    const int64_t iw{p} = ow{p} * {sw} - {pw} + v * {dw};")
+        inside = f"ih{p} >= 0 && ih{p} < {ih_n} && iw{p} >= 0 && iw{p} < {iw_n}"
+        L.append(f"    const bool in{p} = {inside};")
+        L.append(f"    const float* x{p} = in{p} ? xn + ih{p} * {sx_h} + iw{p} * {sx_w} : zrow;")
+        if sx_c != 1:  # strided channels (an NCHW image read in place): the zero row is not
+            L.append(f"    const int64_t s{p} = in{p} ? {sx_c} : 0;")
+    L.append(f"    const float* wr = wt + cb * {k_all * pw_} + (u * {kw} + v) * {s.c_in * pw_};")
+    L.append(f"    for (int64_t ci = 0; ci < {s.c_in}; ++ci) {{")
+    for line in range(0, nb * lanes * 4, 64):  # the panel streams: fetch ahead of use
+        L.append(
+            f"      __builtin_prefetch(wr + (ci + {PREFETCH_ROWS}) * {pw_} + {line // 4}, 0, 3);"
+        )
+    for j in range(nb):
+        L.append(f"      const kv::V w{j} = kv::load(wr + ci * {pw_} + {j * lanes});")
+    for p in range(npx):
+        at = "ci" if sx_c == 1 else f"ci * s{p}"
+        L.append(f"      {{ const kv::V b = kv::splat(x{p}[{at}]);")
+        for j in range(nb):
+            L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
+        L.append("      }")
+    L += ["    }", "  }", "}"]
+    for p in range(npx):
+        for j in range(nb):
+            n = str(tail) if tail is not None and j == nb - 1 else None
+            L.append("{")
+            L += ["  " + x for x in epilogue(s.epi, f"a{p}_{j}", f"oh{p}", f"ow{p}", j, n, lanes)]
+            L.append("}")
+    return L
+
+
+def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
+    """Lower a ``dconv`` kernel: a dense channels-last conv, then its epilogue."""
+    g, conv = gen.g, nodes[0]
+    if not is_dense_nhwc_conv(g, conv):
+        raise ValueError("a dconv kernel must start with a dense channels-last conv")
+    out_shape = g.meta(conv.output).shape  # (N, *spatial', C_out)
+    x_shape = g.meta(conv.inputs[0]).shape  # (N, *spatial, C_in)
+    lanes = gen.nr // 2
+    x = nhwc_4d(gen.operand(conv.inputs[0], x_shape))  # any channel stride: read as scalars
+    w_name, b_name = conv.inputs[1], conv.inputs[2] if len(conv.inputs) > 2 else None
+
+    def packed() -> torch.Tensor:
+        w = g.constants[w_name]
+        bias = g.constants[b_name] if b_name is not None else None
+        return pack_weights(w if w.dim() == 4 else w.unsqueeze(2), bias, lanes)
+
+    a = conv.attrs
+    spec = ConvNhwcSpec(
+        batch=out_shape[0],
+        c_in=x_shape[-1],
+        c_out=out_shape[-1],
+        in_hw=as_2d(x_shape[1:-1], 1),
+        out_hw=as_2d(out_shape[1:-1], 1),
+        kernel=as_2d(g.meta(w_name).shape[2:], 1),
+        stride=as_2d(a["stride"], 1),
+        padding=as_2d(a["padding"], 0),
+        dilation=as_2d(a["dilation"], 1),
+        x=x,
+        weights=gen.prepared_param(("conv_nhwc", w_name, b_name, lanes), packed),
+        epi=nhwc_epilogue(gen, k, nodes),
+    )
+    return emit_conv_nhwc(spec, lanes, gen.threads)
