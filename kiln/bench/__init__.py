@@ -11,7 +11,9 @@ import any part of kiln; nothing in the library imports it except the CLI's ``de
 * ``suite_runner``  -- ``run_suite``: interleaved rounds, ratios, errors, roofline.
 * ``suite_table``   -- ``render_table`` / ``update_readme``.
 * ``gemm``, ``llm_decode``, ``prefill``, ``speculative_rounds``, ``quant_matmul``, ``compression``,
-  ``offload_memory``, ``gpu_quant`` -- the other runs, each ``python -m kiln.bench.<name>``.
+  ``offload_memory``, ``gpu_quant``, ``cost_accuracy`` (the CPU cost model, predicted vs
+  measured per kernel), ``cost_ab`` (roofline vs calibrated costs, end to end) -- the other
+  runs, each ``python -m kiln.bench.<name>``.
 
 Results go to ``results/`` under the working directory (the repository root when run as
 the README says): ``python -m kiln.bench --help``.

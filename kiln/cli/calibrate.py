@@ -18,13 +18,22 @@ def calibrate(
             "(a CPU plan of R ranks runs each with cores // R threads)"
         ),
     ] = "2,1",
+    kernels: Annotated[
+        bool,
+        typer.Option(
+            help="also time kiln's own generated kernels (GEMMs, pointwise, rows, depthwise "
+            "convs; about a minute) and fit the compiler's cost model to them"
+        ),
+    ] = True,
 ) -> None:
     """Measure peak GFLOP/s, memory bandwidth and per-kernel fixed cost on this machine (the
     compiler's cost model reads them), and the cost of each engine kiln decodes with, per
     weight format: a fixed time per block plus weight bytes (decode) or FLOPs (prefill) at
     a measured rate, for the C++ step, the eager module, the disk-streamed module and a
     gloo all-reduce between two ranks (the planner prices --hardware cpu plans with these).
-    Both are cached; this refreshes them. With a CUDA GPU, its profile (HBM bandwidth,
+    With --kernels, kiln's own kernels are timed on this machine and the cost model's
+    rates (fixed costs, bandwidth per cache level, GEMM rates by shape, ...) fitted to them.
+    All are cached; this refreshes them. With a CUDA GPU, its profile (HBM bandwidth,
     launch overheads, GEMM rates per dtype: the Triton backend's cost model) comes first."""
     import torch
 
@@ -40,6 +49,12 @@ def calibrate(
     counts = [int(t) for t in threads.split(",") if t.strip()]
     with console.status("calibrating the hardware profile"):
         profile = load_profile(threads=counts[0], refresh=True)
+    if kernels:
+        from kiln.compiler.exec.calibrate_kernels import calibrate_kernels
+        from kiln.core.calibrate import store_profile
+
+        with console.status("timing kiln's kernels") as status:
+            profile = store_profile(calibrate_kernels(profile, lambda t: status.update(t)))
     console.print(profile)
     for n in counts:
         with console.status(f"timing kiln's engines at {n} thread(s)") as status:

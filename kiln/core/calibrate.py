@@ -14,6 +14,10 @@ Each figure is the minimum over many short batches within a fixed time budget
 
 Peak and bandwidth are measured at 1 and at ``threads`` threads and the better
 is kept: on a shared machine a thread pool can wait for a descheduled thread.
+
+The rates of kiln's own kernels (``KernelRates``) are derived from these figures
+(``derive_kernel_rates``) until ``kiln calibrate`` fits them on programs of kiln's kernels
+(``kiln.compiler.exec.calibrate_kernels``, which stores them with ``store_profile``).
 """
 
 from __future__ import annotations
@@ -22,12 +26,13 @@ import os
 import re
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from kiln.core.cache import cache_dir
-from kiln.core.hardware import HardwareProfile, cpu_model, gemm_shape_class
+from kiln.core.hardware import HardwareProfile, cpu_model, derive_kernel_rates, gemm_shape_class
 from kiln.core.native import isa
 
 
@@ -138,7 +143,7 @@ def _measure(threads: int) -> HardwareProfile:
         fork = add_t - call_us - work / threads
     kernel_fixed = min(max(fork, 0.05), 10.0)
 
-    return HardwareProfile(
+    prof = HardwareProfile(
         name=f"{cpu_model()} ({threads}t)",
         isa=_isa(),
         threads=threads,
@@ -149,6 +154,7 @@ def _measure(threads: int) -> HardwareProfile:
         extern_call_us=round(call_us, 3),
         gemm_efficiency={k: round(v, 4) for k, v in eff.items()},
     )
+    return replace(prof, kernels=derive_kernel_rates(prof))
 
 
 def profile_path(threads: int) -> Path:
@@ -161,14 +167,24 @@ def profile_path(threads: int) -> Path:
 
 def load_profile(threads: int = 2, refresh: bool = False) -> HardwareProfile:
     """This machine's profile at ``threads`` threads: cached JSON, else calibrated now
-    (about a second) and cached. ``refresh=True`` recalibrates."""
+    (about a second) and cached. ``refresh=True`` recalibrates (the quick figures; the
+    kernel rates are then derived again until ``kiln calibrate`` fits them). A profile
+    cached before kernel rates existed gets derived ones."""
     path = profile_path(threads)
     if not refresh and path.exists():
         try:
-            return HardwareProfile.from_json(path.read_text(encoding="utf-8"))
+            prof = HardwareProfile.from_json(path.read_text(encoding="utf-8"))
+            if prof.kernels is None:
+                prof = replace(prof, kernels=derive_kernel_rates(prof))
+            return prof
         except (ValueError, KeyError, TypeError):
             pass  # stale or corrupt cache entry: recalibrate below
-    prof = calibrate(threads)
+    return store_profile(calibrate(threads))
+
+
+def store_profile(prof: HardwareProfile) -> HardwareProfile:
+    """Cache ``prof`` as this machine's profile at its thread count; returns it."""
+    path = profile_path(prof.threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(prof.to_json(), encoding="utf-8")

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from kiln.core import calibrate as profile_mod
-from kiln.core.calibrate import calibrate, load_profile
-from kiln.core.hardware import HardwareProfile, gemm_shape_class, reference_cpu_profile
+from kiln.core.calibrate import calibrate, load_profile, store_profile
+from kiln.core.hardware import (
+    HardwareProfile,
+    derive_kernel_rates,
+    gemm_shape_class,
+    reference_cpu_profile,
+)
 
 
 def test_calibrate_is_fast_and_sane() -> None:
@@ -75,3 +82,38 @@ def test_gemm_shape_classes() -> None:
     assert gemm_shape_class(2 * 512**3) == "large"
     p = reference_cpu_profile()
     assert p.efficiency(2 * 512**3) == p.gemm_efficiency["large"]
+
+
+def test_kernel_rates_round_trip_and_old_profiles_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    p = reference_cpu_profile()
+    assert p.kernels is not None and isinstance(p.kernels.read_gbs, tuple)
+    q = HardwareProfile.from_json(p.to_json())
+    assert q == p and q.kernels == p.kernels
+    # a profile cached before kernel rates existed: no "kernels" key at all
+    old = json.loads(p.to_json())
+    del old["kernels"]
+    bare = HardwareProfile.from_json(json.dumps(old))
+    assert bare.kernels is None and bare.peak_gflops == p.peak_gflops
+    # load_profile gives it rates derived from its quick figures, without recalibrating
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr("kiln.core.calibrate.calibrate", lambda threads=2: pytest.fail("ran"))
+    profile_mod.profile_path(2).write_text(json.dumps(old))
+    loaded = load_profile(threads=2)
+    assert loaded.kernels == derive_kernel_rates(bare) and not loaded.kernels.fitted
+    # a fitted profile stored and loaded again keeps its rates
+    fitted = replace(p, kernels=replace(p.kernels, serial_us=0.07, fitted=True))
+    store_profile(fitted)
+    assert load_profile(threads=2) == fitted
+
+
+def test_derived_kernel_rates_follow_the_quick_profile() -> None:
+    p = reference_cpu_profile(2)
+    fast = replace(p, peak_gflops=2 * p.peak_gflops, mem_bw_gbs=3 * p.mem_bw_gbs)
+    a, b = derive_kernel_rates(p), derive_kernel_rates(fast)
+    assert b.gemm_gflops[3] == pytest.approx(2 * a.gemm_gflops[3])
+    assert b.read_gbs[2] == pytest.approx(3 * a.read_gbs[2])
+    assert b.parallel_us == fast.kernel_fixed_us and not b.fitted
+    with pytest.raises(ValueError):
+        replace(a, pack_gbs=0.0)

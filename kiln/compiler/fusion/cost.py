@@ -16,12 +16,20 @@ Roofline: ``max(compute, memory) + fixed`` where
   oneDNN, opaque ops), else one native kernel (a parallel region / a launch); a
   conv through oneDNN adds ``ONEDNN_CONV_US``.
 
+With a profile that carries ``KernelRates`` (a CPU profile: fitted on kiln's own kernels
+by ``kiln calibrate``, or derived from the quick profile), native ``pointwise``,
+``reduction``, ``gemm``, ``dwconv``, ``single`` and ``copy`` kernels are priced by the
+calibrated model of ``cpu_cost.py`` instead: fixed cost by whether the kernel opens a
+parallel region, memory at the bandwidth of the cache level each value lives in, GEMMs
+at the fitted rate of their register-block height.
+
 Recomputation needs no special case: a node inside two chosen kernels is paid twice.
 Only ``HardwareProfile`` fields are used, so the same model serves any device.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +38,13 @@ from pathlib import Path
 
 from kiln.compiler.fusion.candidates import Candidate
 from kiln.compiler.fusion.convs import is_depthwise_conv
+from kiln.compiler.fusion.cpu_cost import (
+    NATIVE_TEMPLATES,
+    NativeWork,
+    native_time,
+    native_work,
+    traffic,
+)
 from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind
 from kiln.compiler.ir.layout import storage_root
 from kiln.core.cache import cache_dir
@@ -83,6 +98,12 @@ class GraphLookup:
 
     def root(self, value: str) -> str:
         return storage_root(self.graph, value)
+
+    @functools.cached_property
+    def param_bytes(self) -> float:
+        """Bytes of all the graph's parameters (where they live depends on it)."""
+        g = self.graph
+        return float(sum(_nbytes(g, v) for v, x in g.values.items() if x.kind == ValueKind.PARAM))
 
 
 def gemm_flops(node: Node, graph: Graph) -> float:
@@ -140,24 +161,10 @@ def _nbytes(graph: Graph, value: str) -> int:
 
 
 def candidate_bytes(candidate: Candidate, graph: Graph, lookup: GraphLookup | None = None) -> float:
-    """Bytes a kernel moves: reads of in(k) and parameters, writes of out(k)."""
+    """Bytes a kernel moves: reads of in(k) and parameters, writes of out(k) (``traffic``)."""
     lk = lookup or GraphLookup(graph)
-    nodes = lk.ordered(candidate)
-    produced = {n.output for n in nodes}
-    read: dict[str, float] = {}  # storage root -> bytes read from it
-    seen: set[str] = set()
-    for n in nodes:
-        for v in n.inputs:
-            if v in produced or v in seen:
-                continue
-            seen.add(v)
-            root = lk.root(v)
-            if root in produced or graph.values[root].kind == ValueKind.CONST:
-                continue
-            read[root] = read.get(root, 0.0) + min(_nbytes(graph, v), _nbytes(graph, root))
-    reads = sum(min(b, _nbytes(graph, r)) for r, b in read.items())
-    writes = sum(_nbytes(graph, v) for v in candidate.outputs)
-    return float(reads + writes)
+    reads, writes = traffic(candidate, graph, lk.ordered(candidate), lk.root)
+    return float(sum(reads.values()) + sum(writes.values()))
 
 
 def is_extern_kernel(candidate: Candidate, nodes: list[Node]) -> bool:
@@ -166,6 +173,19 @@ def is_extern_kernel(candidate: Candidate, nodes: list[Node]) -> bool:
     return candidate.template == "conv" or (
         candidate.template == "single" and nodes[0].op in EXTERN_OPS
     )
+
+
+def calibrated_work(
+    candidate: Candidate, graph: Graph, profile: HardwareProfile, lookup: GraphLookup
+) -> NativeWork | None:
+    """What the calibrated CPU model prices a native kernel on (None: a kernel it does
+    not price, such as a library call)."""
+    nodes = lookup.ordered(candidate)
+    if candidate.template not in NATIVE_TEMPLATES or is_extern_kernel(candidate, nodes):
+        return None
+    light = sum(node_flops(n, graph) for n in nodes if n.cls == OpClass.POINTWISE)
+    lanes = _LANES.get(profile.isa, 8)
+    return native_work(candidate, graph, nodes, lookup.root, lookup.param_bytes, light, lanes)
 
 
 def estimate(
@@ -177,6 +197,8 @@ def estimate(
     """Roofline estimate of one kernel's time in µs (see the module docstring).
     Pass a ``GraphLookup`` when estimating many candidates of one graph."""
     lk = lookup or GraphLookup(graph)
+    if profile.kernels is not None and (work := calibrated_work(candidate, graph, profile, lk)):
+        return native_time(work, profile, profile.kernels)
     nodes = lk.ordered(candidate)
     compute_us = 0.0
     fixed = profile.kernel_fixed_us
