@@ -116,8 +116,9 @@ def timed_request(
 
 
 def worker_env(cache_dir: Path) -> dict[str, str]:
-    """Environment for workers: 2 threads for every runtime, a private inductor
-    cache (cold per model), offline hubs, the repo on the path."""
+    """Environment for workers: 2 threads for every runtime, private inductor and kiln
+    program/capture caches (cold per model: every contender's compile is timed cold),
+    offline hubs, the repo on the path."""
     env = dict(os.environ)
     for var in (
         "OMP_NUM_THREADS",
@@ -127,6 +128,8 @@ def worker_env(cache_dir: Path) -> dict[str, str]:
     ):
         env[var] = str(THREADS)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache_dir)
+    env["KILN_PROGRAMS_DIR"] = str(cache_dir / "kiln-programs")
+    env["KILN_CAPTURES_DIR"] = str(cache_dir / "kiln-captures")
     env = offline_env(env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
     return env

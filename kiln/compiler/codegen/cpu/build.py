@@ -103,7 +103,7 @@ def compile_program(source: str, return_cache_hit: bool = False) -> Path | tuple
     ``(path, hit)`` where ``hit`` says the compiler was not run.
     """
     key = program_key(source)
-    out_dir = cache_dir() / "programs"
+    out_dir = cache_dir("programs")
     out_dir.mkdir(parents=True, exist_ok=True)
     so_path = out_dir / f"{key}.so"
     if so_path.exists():
