@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kiln.compress.configs import Int8WeightOnly
-from kiln.compress.gguf_linear import GgufLinear
+from kiln.compress.gguf_linear import ACTIVATIONS, DEFAULT_ACTIVATIONS, GgufLinear, set_activations_
 from kiln.compress.modules import CompressedLinear
 from kiln.llm.generate import Decoder, EagerDecoder, Generation, Sampling, generate
 from kiln.models.load import LoadedModel, load_model, open_checkpoint
@@ -55,7 +55,10 @@ class GenerateRequest:
     max_new_tokens: int = 64
     sampling: Sampling = Sampling()
     dtype: str = "float32"
-    packed: bool = True  # keep a GGUF's quantized layers packed (kiln's INT4 / block kernels)
+    packed: bool = True  # keep a GGUF's quantized layers packed (kiln's block kernels)
+    # packed GGUF layers at decode: "int8" activation blocks (llama.cpp's arithmetic, the
+    # faster) or "fp32" (exact: the dequantized model's results); GgufLinear's module doc
+    gguf_activations: str = DEFAULT_ACTIVATIONS
     head: str = "auto"  # HEADS; auto: INT8 head when the linear layers are compressed (a
     # GGUF head kept as stored stays); fp32: a float head (a GGUF's: its values dequantized)
     engine: str = "auto"  # ENGINES
@@ -77,6 +80,9 @@ class GenerateRequest:
                 f"head must be one of {HEADS} and engine one of {ENGINES}, got "
                 f"{self.head!r}, {self.engine!r}"
             )
+        if self.gguf_activations not in ACTIVATIONS:
+            raise ValueError(f"gguf_activations must be one of {ACTIVATIONS}, got "
+                             f"{self.gguf_activations!r}")  # fmt: skip
         if self.tp < 1 or self.pp < 1:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
         if self.parallel and self.offload:
@@ -121,9 +127,10 @@ def _tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
-    """Apply the plan's weight format and the head option in place; return notes saying
-    what changed."""
+    """Apply the GGUF activations, the plan's weight format and the head option in place;
+    return notes saying what changed."""
     model = loaded.model
+    set_activations_(model, request.gguf_activations)
     if request.weights is not None:
         from kiln.deploy.weights import store_in_format
 

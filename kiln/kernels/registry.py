@@ -85,16 +85,19 @@ def int4_weight_only(
 
 
 def gguf_weight_only(
-    blocks: Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32
-) -> WeightOnlyKernel:
+    blocks: Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32,
+    activations: str = "int8",
+) -> WeightOnlyKernel:  # fmt: skip
     """A kernel computing ``x @ W.T`` for x (..., K) of ``dtype``, W a GGUF tensor's blocks
     as stored: uint8 (N, K / elems * bytes) of ggml type ``ggml_type`` (Q4_0 .. Q6_K,
-    ``kiln.kernels.cpu.gguf_blocks.BLOCKS``). CPU and float32: kiln's C++ block kernels;
-    otherwise (any device, any dtype) the reference dequantizer a tile of rows at a time.
-    Raises ValueError for a malformed or unsupported weight."""
+    ``kiln.kernels.cpu.gguf_blocks.BLOCKS``). CPU and float32: kiln's C++ block kernels,
+    for a few rows with x quantized to 8-bit blocks (``activations="int8"``, llama.cpp's
+    arithmetic) or exact in fp32 (``"fp32"``); otherwise (any device, any dtype) the
+    reference dequantizer a tile of rows at a time. Raises ValueError for a malformed or
+    unsupported weight."""
     from kiln.kernels.cpu.gguf_blocks import gguf_kernel
 
-    return gguf_kernel(blocks, ggml_type, k, dtype)
+    return gguf_kernel(blocks, ggml_type, k, dtype, activations)
 
 
 def gguf_dequantize(blocks: Tensor, ggml_type: int, k: int) -> Tensor:

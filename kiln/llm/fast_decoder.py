@@ -93,7 +93,7 @@ def _int4_linear(mod: nn.Module) -> LinearArgs:
 
 def _gguf_linear(mod: nn.Module) -> LinearArgs:
     assert isinstance(mod, GgufLinear)
-    return gguf_args(mod.blocks, mod.ggml_type, mod.in_features, mod.bias)
+    return gguf_args(mod.blocks, mod.ggml_type, mod.in_features, mod.bias, mod.activations)
 
 
 # The one registry: linear module type (exact) -> its kernel arguments for decode.cpp.

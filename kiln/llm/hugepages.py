@@ -10,7 +10,8 @@ dtypes, shapes and tied parameters stay as they were, the old copies are freed â
 parameter at a time, the freed heap handed back to the OS as it goes, so the move needs
 little more memory than the model (copying all, then freeing all, needed twice as much). Measured on
 the fp32 SmolLM2 decode step here (AMD EPYC, 2 threads, steps of both layouts alternated in
-one process): 8% faster (median 23.2 -> 21.2 ms).
+one process): 8% faster (median 23.2 -> 21.2 ms). A GGUF layer's blocks (a buffer the step
+streams in place, ``GgufLinear.blocks``) move too: the Q8_0 SmolLM2 step 10.4 -> 9.3 ms.
 
 Where huge pages cannot be had (THP ``never``, not Linux, madvise refused) nothing moves and
 the reason is returned: the weights are then exactly where they were, only slower to stream.
@@ -23,6 +24,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.core.huge_pages import ALIGN, HUGE_PAGE, huge_page_arena, thp_mode
 from kiln.core.huge_pages import aligned as _aligned
 from kiln.core.memory import trim_heap
@@ -32,11 +34,14 @@ TRIM_EVERY = 16 << 20  # bytes moved between handing freed heap back to the OS
 
 
 def move_to_huge_pages_(module: nn.Module) -> tuple[int, str]:
-    """Move ``module``'s CPU parameters into one huge-page arena, in place.
+    """Move ``module``'s CPU parameters (and its GGUF layers' blocks) into one huge-page
+    arena, in place.
 
     Returns (bytes moved, "") or (0, why nothing moved). Parameters already in huge pages
     (a second call) stay; one shared by two modules (a tied head) moves once."""
-    params = [p for p in module.parameters() if p.device.type == "cpu" and p.numel() > 0]
+    blocks = [m.blocks for m in module.modules() if isinstance(m, GgufLinear)]
+    tensors = {id(t): t for t in (*module.parameters(), *blocks)}.values()  # each once
+    params = [p for p in tensors if p.device.type == "cpu" and p.numel() > 0]
     params = [p for p in params if not _moved(p)]
     if not params:
         return 0, "no CPU parameters outside huge pages"

@@ -8,19 +8,18 @@ tensor table; tensor data is read with explicit reads of just the rows asked for
 
 * F32 / F16: taken as they are (converted to the requested dtype by the loader); those
   that need no reordering can also be zero-copy views of the mapping (``LazyTensor.view``).
-* Q4_1 and Q4_0 linear weights, with ``packed=True``: kept 4-bit as kiln's ``Int4Linear``
-  (group 32, asymmetric). A Q4_1 block is fp16 ``d``, fp16 ``m`` and 16 bytes whose byte j
-  holds element j (low nibble) and element j + 16 (high nibble), ``w = d * q + m``; Q4_0
-  has no ``m`` and ``w = d * (q - 8)``, i.e. scale ``d`` and offset ``-8 d``. The nibbles
-  are re-paired into kiln's layout (low nibble = even k); values are bit-identical.
-* Q8_0, Q5_0, Q5_1, Q4_K, Q5_K and Q6_K linear weights, with ``packed=True``: kept as the
-  file's blocks, a ``GgufLinear`` each (its C++ kernel decodes the blocks in registers;
-  ``kiln.kernels.cpu.gguf_blocks``). A file mixes types per tensor (a Q4_K_M file holds
-  Q4_K, Q5_0, Q6_K and Q8_0 tensors): each layer runs its own type's kernel.
+* Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights, with ``packed=True``:
+  kept as the file's blocks, a ``GgufLinear`` each (its C++ kernels decode the blocks in
+  registers; ``kiln.kernels.cpu.gguf_blocks``), multiplied at decode with the activations
+  quantized to 8-bit blocks by default (``GgufLinear.activations``: llama.cpp's arithmetic;
+  ``"fp32"`` is exact). A file mixes types per tensor (a Q4_K_M file holds Q4_K, Q5_0, Q6_K
+  and Q8_0 tensors): each layer runs its own type's kernel. Q4_0 / Q4_1 were repacked to
+  kiln's INT4 layout before; their blocks with the integer-dot kernel took 0.6-0.8x that
+  path's time per SmolLM2 layer (1 thread, AMD EPYC Zen 4).
 * A tied head (no ``output`` tensor) whose ``token_embd`` is of one of those types is, with
   ``packed=True``, the embedding's blocks as stored (``lm_head.weight`` from the same bytes,
-  a ``GgufLinear`` / ``Int4Linear``): faithful and as small as the file. The embedding
-  lookup itself stays a float table (dequantized, as below).
+  a ``GgufLinear``): faithful and as small as the file. The embedding lookup itself stays a
+  float table (dequantized, as below).
 * Everything else (other quantized types — named in one logged line per type when
   ``packed=True`` —, every type with ``packed=False``, embeddings, norms): dequantized to
   float32 by ``gguf.quants.dequantize``, a few MB of rows at a time into the output tensor
@@ -49,7 +48,7 @@ import torch
 from torch import Tensor
 
 from kiln.compress.gguf_linear import GgufLinear
-from kiln.compress.modules import CompressedLinear, Int4Linear
+from kiln.compress.modules import CompressedLinear
 from kiln.models import gguf_families as families
 from kiln.models.config import ConfigError, ModelConfig
 from kiln.models.file_reads import read_bytes
@@ -57,8 +56,8 @@ from kiln.models.readers import LazyTensor, LoadError
 
 Q = gguf.GGMLQuantizationType
 ARCHITECTURES = families.ARCHITECTURES
-_PACKABLE = {Q.Q4_0: 18, Q.Q4_1: 20}  # bytes per block of 32: -> Int4Linear
-_KEPT = (Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)  # kept as their blocks: GgufLinear
+# kept as their blocks: GgufLinear
+_KEPT = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 _FLOATS = (Q.F32, Q.F16, Q.BF16, Q.F64)
 _log = logging.getLogger(__name__)
 _CHUNK_BYTES = 8 * 2**20  # fp32 bytes dequantized at a time
@@ -115,23 +114,6 @@ def unpermute_rows(x: Tensor, heads: int) -> Tensor:
     half i in {0, 1} and the pair j. x (N, ...) with N = heads * head_dim."""
     n = x.shape[0]
     return x.reshape(heads, n // heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
-
-
-def q4_to_int4(data: np.ndarray, kind: Q, n: int, k: int) -> tuple[Tensor, Tensor, Tensor]:
-    """Q4_0 / Q4_1 blocks (N, K/32 * block bytes) -> kiln INT4 (packed (N, K/2) uint8,
-    scale and offset (N, K/32) fp16) with identical dequantized values.
-
-    Done in numpy: single-threaded, it is not slowed by OpenMP spinning on a busy machine
-    (torch's uint8 ops were ~40x slower there) and it is memory-bound either way."""
-    raw = np.asarray(data).reshape(n, k // 32, _PACKABLE[kind])
-    d = raw[..., 0:2].copy().view(np.float16)[..., 0]  # (N, G)
-    if kind == Q.Q4_1:
-        offset, qs = raw[..., 2:4].copy().view(np.float16)[..., 0], raw[..., 4:]
-    else:
-        offset, qs = d * np.float16(-8.0), raw[..., 2:]  # exact in fp16 (times a power of 2)
-    q = np.concatenate((qs & 0xF, qs >> 4), axis=-1)  # (N, G, 32): elements 0..15, 16..31
-    packed = (q[..., 0::2] | (q[..., 1::2] << 4)).reshape(n, k // 2)  # low nibble = even k
-    return torch.from_numpy(packed), torch.from_numpy(d), torch.from_numpy(offset)
 
 
 def _stored_rows(path: Path, t: Any, start: int, stop: int) -> np.ndarray:
@@ -195,8 +177,8 @@ def _cut_rows(value: Any, start: int, stop: int) -> Any:
 
 
 def is_packed_linear(t: Any, packed: bool, linear: bool) -> bool:
-    """Whether tensor ``t`` is read as a packed layer (``Int4Linear`` / ``GgufLinear``)."""
-    return packed and linear and len(t.shape) == 2 and t.tensor_type in (*_PACKABLE, *_KEPT)
+    """Whether tensor ``t`` is read as a packed layer (``GgufLinear``)."""
+    return packed and linear and len(t.shape) == 2 and t.tensor_type in _KEPT
 
 
 def _lazy(
@@ -215,7 +197,7 @@ def _lazy(
     origin += "" if rows is None else f" [rows {base}:{end}]"
     if linear is None:
         linear = t.name.split(".")[-2] in families.LINEARS
-    if is_packed_linear(t, packed, linear) and t.tensor_type in _KEPT:
+    if is_packed_linear(t, packed, linear):
         kind, k = int(t.tensor_type), shape[1]
 
         def block_rows(start: int, stop: int) -> GgufLinear:
@@ -226,21 +208,6 @@ def _lazy(
             return GgufLinear(unpermute_rows(layer.blocks, n), kind, k, bias=None)
 
         read = partial(_head_rows, block_rows, per_head, reorder_blocks)
-        return LazyTensor(origin, shape, read, compressed=True)
-    if is_packed_linear(t, packed, linear):
-
-        def packed_rows(start: int, stop: int) -> Int4Linear:
-            raw = _stored_rows(path, t, base + start, base + stop)
-            q, scale, offset = q4_to_int4(raw, t.tensor_type, stop - start, shape[1])
-            return Int4Linear(q, scale, offset, group_size=32, bias=None)
-
-        def reorder_layer(layer: Int4Linear, n: int) -> Int4Linear:
-            q, scale, offset = (
-                unpermute_rows(x, n) for x in (layer.packed, layer.scale, layer.offset)
-            )
-            return Int4Linear(q, scale, offset, group_size=32, bias=None)
-
-        read = partial(_head_rows, packed_rows, per_head, reorder_layer)
         return LazyTensor(origin, shape, read, compressed=True)
 
     def float_rows(start: int, stop: int) -> Tensor:

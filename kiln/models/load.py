@@ -11,8 +11,8 @@ stage: the other blocks are never read), ``shard`` (a tensor-parallel rank's row
 columns of each block linear: only those are read), ``on_block`` (quantize the block,
 write it to an offload store, ... as soon as it is filled). Tensors kept as stored in the
 requested dtype stay views of the memory-mapped file; packed GGUF layers replace their
-``nn.Linear`` with ``Int4Linear`` (Q4_0 / Q4_1) or ``GgufLinear`` (the file's blocks: Q8_0,
-Q5_0, Q5_1, Q4_K, Q5_K, Q6_K).
+``nn.Linear`` with ``GgufLinear`` (the file's blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K; 8-bit activations at decode by default, ``GgufLinear.activations``).
 
     loaded = load_model("smollm2")                     # the catalog's GGUF, kept packed
     loaded = load_model("/ckpt/llama", dtype=torch.bfloat16)
@@ -92,9 +92,8 @@ class Checkpoint:
 def open_checkpoint(path: str | Path, packed: bool = True) -> Checkpoint:
     """Read the config and tensor table of a Hugging Face folder, a ``.gguf`` file or a
     catalog name; no weight is read. ``packed``: keep a GGUF's quantized linear weights (and
-    a tied head stored quantized) packed — Q4_0 / Q4_1 as ``Int4Linear``, Q8_0 / Q5_x /
-    K-quants as their blocks (``GgufLinear``) — instead of dequantizing them (HF checkpoints
-    ignore it)."""
+    a tied head stored quantized) packed as their blocks (``GgufLinear``) instead of
+    dequantizing them (HF checkpoints ignore it)."""
     where = resolve(path)
     if where.is_dir():
         cfg = hf.read_config(where)
@@ -128,9 +127,9 @@ def load_model(
     """Load a Hugging Face folder, a ``.gguf`` file or a catalog name ("smollm2").
 
     ``dtype`` (float32 / bfloat16 / float16) is that of every float parameter; ``packed``
-    keeps a GGUF's quantized linear weights packed (``Int4Linear`` / ``GgufLinear``, which
-    compute in fp32; ``open_checkpoint``) instead of dequantizing them; HF checkpoints
-    ignore it. Each tensor goes to
+    keeps a GGUF's quantized linear weights packed (``GgufLinear``, whose decode rows
+    multiply 8-bit activation blocks by default, exactly in fp32 with ``activations="fp32"``;
+    ``open_checkpoint``) instead of dequantizing them; HF checkpoints ignore it. Each tensor goes to
     ``device`` as soon as it is read.
 
     A part of the model, streamed (``kiln.models.parts``): ``layers`` reads only those

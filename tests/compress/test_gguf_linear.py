@@ -1,6 +1,8 @@
 """GgufLinear: a GGUF tensor's blocks as a layer — its forward (kernel rows and tiles)
 against the dequantized weight, dtype-keeping casts and moves, slices at block
-boundaries, and a state_dict round trip through the layer-kind registry."""
+boundaries, and a state_dict round trip through the layer-kind registry. The layers here
+run the exact path (``activations="fp32"``); the default 8-bit activations are checked in
+tests/kernels/cpu/test_gguf_blocks.py and tests/models/test_gguf_packed.py."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ RTOL = 2e-5
 def _layer(kind: Q, n: int = 40, k: int = 512, bias: bool = True) -> GgufLinear:
     w = np.random.default_rng(int(kind)).normal(0, 0.2, size=(n, k))
     b = torch.randn(n) if bias else None
-    return GgufLinear(torch.from_numpy(quantize(w, kind)), int(kind), k, b)
+    return GgufLinear(torch.from_numpy(quantize(w, kind)), int(kind), k, b, activations="fp32")
 
 
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
@@ -74,6 +76,8 @@ def test_state_dict_round_trip_through_the_registry() -> None:
     assert LAYER_KINDS["gguf"] is GgufLinear
     empty = LAYER_KINDS["gguf"].empty(layer.meta(), has_bias=False)
     empty.load_state_dict(layer.state_dict())
+    assert empty.activations == "int8"  # a runtime choice, not stored: the default
+    empty.activations = layer.activations
     x = torch.randn(1, 512)
     assert torch.equal(empty(x), layer(x))
     assert "Q5_0" in repr(empty)

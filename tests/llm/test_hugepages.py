@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import gguf
 import pytest
 import torch
 from torch import nn
 
 from kiln.compress import Int4WeightOnly, Int8WeightOnly
+from kiln.compress.gguf_linear import GgufLinear
 from kiln.core import huge_pages
 from kiln.llm import hugepages
 from kiln.llm.fast_decoder import FastDecoder
 from kiln.llm.native.step import KIND_INT4, KIND_INT8
+from tests.support.gguf_quants import random_blocks
 from tests.support.models import TINY_LLAMA, tiny_transformer
 
 CFG = TINY_LLAMA
@@ -38,6 +41,23 @@ def test_move_keeps_values_ties_and_outputs() -> None:
     with torch.no_grad():
         assert torch.equal(model(tokens, 0, model.new_cache(2, 8)), expected)
     assert hugepages.move_to_huge_pages_(model) == (0, "no CPU parameters outside huge pages")
+
+
+@pytest.mark.skipif(not HAVE_THP, reason="transparent huge pages are off on this machine")
+def test_gguf_blocks_move_and_their_kernel_follows() -> None:
+    """A GGUF layer's blocks (a buffer the decode step streams in place) move too; the
+    layer's kernel holds the same tensor, so it computes from the moved bytes."""
+    raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType.Q8_0, 48, 64))
+    block = nn.Sequential(GgufLinear(raw.clone(), 8, 64, None), nn.Linear(48, 4))
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        expected = block(x)
+        moved, why = hugepages.move_to_huge_pages_(block)
+        assert why == "" and moved >= raw.numel()
+        layer = block[0]
+        assert isinstance(layer, GgufLinear) and torch.equal(layer.blocks, raw)
+        assert layer.blocks.data_ptr() % hugepages.ALIGN == 0
+        assert torch.equal(block(x), expected)
 
 
 def test_mixed_dtypes_move_with_their_dtypes() -> None:

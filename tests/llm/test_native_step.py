@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from kiln.compress.quantizers import quantize_int4, quantize_int8
 from kiln.core import native
-from kiln.kernels.cpu.gguf_blocks import reference_dequantize
+from kiln.kernels.cpu.gguf_blocks import gguf_matmul, reference_dequantize
 from kiln.kernels.formats import dequantize_int4, dequantize_int8, pack_int4
 from kiln.llm.native import step as decode
 from tests.support.compare import assert_close_to_reference
@@ -70,15 +70,24 @@ def test_int4_linear(m: int, group: int, bias: bool) -> None:
     assert_close_to_reference(got, ref, rtol_to_max=TOL)
 
 
+GGUF_KINDS = {"Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "Q5_0": 6, "Q5_1": 7, "Q4_0": 2,
+              "Q4_1": 3}  # fmt: skip
+
+
 @pytest.mark.parametrize("m", [1, 3, 9])
-@pytest.mark.parametrize("kind", [8, 12, 13, 14, 6], ids=["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", GGUF_KINDS.values(), ids=GGUF_KINDS.keys())
 def test_gguf_linear(m: int, kind: int) -> None:
-    """A GGUF tensor's blocks as stored (the record's group is the ggml type), with bias."""
+    """A GGUF tensor's blocks as stored (the record's group is the ggml type), with bias:
+    fp32 activations against F.linear; 8-bit activations give the bits of the GgufLinear
+    kernel (``gguf_blocks.gguf_matmul``): one kernel, one quantization, in both places."""
     raw = torch.from_numpy(random_blocks(gguf.GGMLQuantizationType(kind), 37, 512))
     x, b = torch.randn(m, 512), torch.randn(37)
-    got = decode.linear(decode.gguf_args(raw, kind, 512, b), x)
+    got = decode.linear(decode.gguf_args(raw, kind, 512, b, activations="fp32"), x)
     ref = F.linear(x, reference_dequantize(raw, kind, 512), b)
     assert_close_to_reference(got, ref, rtol_to_max=TOL)
+    args = decode.gguf_args(raw, kind, 512, b)
+    assert args.kind == decode.KIND_GGUF_Q8  # the default
+    assert torch.equal(decode.linear(args, x), gguf_matmul(x, raw, kind) + b)
 
 
 def test_threads_give_identical_results() -> None:

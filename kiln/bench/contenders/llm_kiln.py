@@ -9,8 +9,8 @@ quantized to INT8 per channel as llama.cpp reads its Q8_0 table) and ``kiln-spec
 ``kiln-fast`` model's greedy text by ``kiln.llm.speculative``: an INT8 copy guesses
 ``SPEC_GUESSES`` tokens, the fp32 model checks them in one call; batch 1). Given another GGUF
 file of the model (``gguf``), each loads that file instead: ``kiln-int4`` keeps every
-quantized tensor packed as stored (Q4_0 / Q4_1 repacked to kiln's INT4, other types as
-``GgufLinear``), the others dequantize it. kiln modules
+quantized tensor packed as stored (``GgufLinear``, 8-bit activations at decode as
+llama.cpp), the others dequantize it. kiln modules
 are imported when a contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through
 ``KilnDecode``'s ``model`` argument or a factory of its own.
@@ -170,8 +170,8 @@ class KilnDecode:
 
 def packed_layers(model: torch.nn.Module) -> str:
     """The model's packed linear layers by type, most first ("Q5_0 x166, Q4_K x16"): a
-    ``GgufLinear`` by the type it stores, an ``Int4Linear`` (Q4_0 / Q4_1 blocks repacked)
-    as "INT4", any other by its class."""
+    ``GgufLinear`` by the type it stores, an ``Int4Linear`` (kiln's own INT4) as "INT4",
+    any other by its class."""
     from kiln.compress.modules import CompressedLinear, Int4Linear
 
     counts = Counter(

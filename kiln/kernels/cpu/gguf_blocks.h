@@ -4,6 +4,8 @@
 // after the other ((N, K / elems * bytes) uint8). Nothing is expanded to float in memory: per
 // block, the kernel decodes the scales (scalars) and the quants of 32 consecutive elements (a
 // "group") into 32 / W float vectors in registers, and FMAs them with the activations in fp32.
+// This is the exact path (fp32 activations); gguf_qdot.h multiplies the same blocks with
+// activations quantized to 8 bits (integer dot products, the default at decode).
 // Header-only (namespace kgguf), so the CPython module (gguf_blocks.cpp) and the decode step
 // (kiln/llm/native/decode.cpp) include the one copy. SIMD through kiln_vec.h: AVX-512 (W = 16)
 // or AVX2 (W = 8), whichever the compiler targets.

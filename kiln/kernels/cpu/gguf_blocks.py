@@ -6,12 +6,24 @@ Q5_K and Q6_K in super-blocks of 256 with 8 or 16 sub-block scales; ``gguf_block
 describes each layout). kiln keeps such a weight as one uint8 tensor (N, K / elems * bytes),
 the file's bytes, and computes with it three ways:
 
-* ``"kiln"``: the C++ kernel (``gguf_blocks.h``, its Python module ``gguf_blocks.cpp``)
-  decodes every block's scales and quants in registers and accumulates in fp32, parallel
-  over output rows on torch's OpenMP pool; for decode-sized inputs (M <= ``KILN_MAX_ROWS``
-  rows), where a step streams the weight bytes once. Built like ``woq.py``'s extension with
-  plain g++ and -march=native (AVX-512 or AVX2 by the build machine); ``isa="avx2"`` builds
-  the AVX2 path on an AVX-512 machine too (-mno-avx512f), so both are tested here.
+* ``"kiln"``: the C++ decode kernels, parallel over output rows on torch's OpenMP pool, for
+  decode-sized inputs (M <= ``KILN_MAX_ROWS`` rows), where a step streams the weight bytes
+  once. Two arithmetics (``ACTIVATIONS``):
+
+  - ``"int8"`` (the default, ``DEFAULT_ACTIVATIONS``): x is quantized once per call to
+    8-bit blocks of 32 (int8 values, d = max|x| / 127), and each weight block is
+    multiplied by integer dot products (AVX-512 VNNI, else AVX2 maddubs), scaled in fp32
+    (``gguf_q8.h``, ``gguf_qdot.h``). This is llama.cpp's own arithmetic on these files;
+    it moves each activation by at most max|x| / 254 of its block, an error below the
+    weights' own quantization error, and is ~2x faster at decode (the fp32 path is
+    compute-bound, not bandwidth-bound, on these formats).
+  - ``"fp32"``: exact: every weight is decoded to fp32 in registers and FMAed with the
+    fp32 activations (``gguf_blocks.h``): the dequantized model's results up to fp32
+    rounding.
+
+  Built like ``woq.py``'s extension with plain g++ and -march=native (AVX-512 or AVX2 by
+  the build machine); ``isa="avx2"`` builds the AVX2 path on an AVX-512 machine too
+  (-mno-avx512f), so both are tested here.
 * ``"gemm"`` (more rows: prefill): kiln's prefill GEMM (``kiln.kernels.cpu.packed_gemm``)
   decodes 2 W output channels of blocks at a time into a cache-resident float tile
   (transposed in registers) and multiplies it with a register-blocked micro-kernel. On a
@@ -50,9 +62,15 @@ TYPE_IDS = {name: t for t, (name, _, _) in BLOCKS.items()}
 HERE = Path(__file__).resolve().parent
 VEC_HEADERS = tuple(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h"))
 KERNEL_HEADER = HERE / "gguf_blocks.h"  # the kernels, also included by the decode step
-SOURCES = (HERE / "gguf_blocks.cpp", KERNEL_HEADER, native.INCLUDE / "kiln_py.h", *VEC_HEADERS)
+# the 8-bit-activation kernels, also included by the decode step
+QDOT_HEADERS = (HERE / "gguf_q8.h", HERE / "gguf_qdot.h")
+SOURCES = (HERE / "gguf_blocks.cpp", KERNEL_HEADER, *QDOT_HEADERS, native.INCLUDE / "kiln_py.h",
+           *VEC_HEADERS)  # fmt: skip
 KILN_MAX_ROWS = packed_gemm.GEMM_MIN_ROWS - 1  # the decode kernel's rows; the GEMM above
 TILE_ROWS = 256  # output rows dequantized at a time for more rows
+ACTIVATIONS = ("int8", "fp32")  # the decode kernels' arithmetic (module doc)
+DEFAULT_ACTIVATIONS = "int8"
+QBLOCK = 32  # activation elements per 8-bit block
 
 
 # ------------------------------------------------------------------ build
@@ -102,26 +120,53 @@ def check_blocks(blocks: Tensor, ggml_type: int, k: int) -> int:
     return int(blocks.shape[0])
 
 
+def check_activations(activations: str) -> str:
+    """``activations`` if it is one of ``ACTIVATIONS``, else ValueError."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"activations must be one of {ACTIVATIONS}, got {activations!r}")
+    return activations
+
+
 def _check_x(x: Tensor, k: int) -> None:
     if x.dtype != torch.float32 or not x.is_cpu or x.dim() == 0 or x.shape[-1] != k:
         raise ValueError(f"x must be a float32 CPU tensor (..., {k}), got {x.dtype} "
                          f"{x.device.type} {tuple(x.shape)}")  # fmt: skip
 
 
-def gguf_matmul(x: Tensor, blocks: Tensor, ggml_type: int, isa: str | None = None) -> Tensor:
-    """x float32 (..., K) @ dequant(blocks).T -> (..., N) by the C++ kernel (any number of
-    rows; it is meant for a few). ``blocks``: the tensor's bytes (N, K / elems * bytes)."""
+def gguf_matmul(
+    x: Tensor, blocks: Tensor, ggml_type: int, isa: str | None = None,
+    activations: str = DEFAULT_ACTIVATIONS,
+) -> Tensor:  # fmt: skip
+    """x float32 (..., K) @ dequant(blocks).T -> (..., N) by the C++ decode kernel of
+    ``activations`` (module doc; any number of rows, it is meant for a few). ``blocks``:
+    the tensor's bytes (N, K / elems * bytes)."""
     k = x.shape[-1] if x.dim() else 0
     n = check_blocks(blocks, ggml_type, k)
     _check_x(x, k)
+    check_activations(activations)
     if not blocks.is_cpu:
         raise ValueError(f"the blocks must be on the CPU, got {blocks.device}")
     x, blocks = x.contiguous(), blocks.contiguous()
     y = torch.empty(*x.shape[:-1], n)  # (..., N)
     m = x.numel() // k
     if m:
-        load_extension(isa).mm(ggml_type, x.data_ptr(), m, k, n, blocks.data_ptr(), y.data_ptr())
+        ext = load_extension(isa)
+        mm = ext.qmm if activations == "int8" else ext.mm
+        mm(ggml_type, x.data_ptr(), m, k, n, blocks.data_ptr(), y.data_ptr())
     return y
+
+
+def quantize_activations(x: Tensor, isa: str | None = None) -> tuple[Tensor, Tensor]:
+    """The 8-bit blocks the ``"int8"`` kernels multiply with: x float32 (M, K), K a multiple
+    of 32 -> int8 values (M, K) and float32 scales (M, K / 32), x ~ scale * value."""
+    if x.dim() != 2 or x.shape[1] % QBLOCK:
+        raise ValueError(f"x must be (M, K) with K a multiple of {QBLOCK}, got {tuple(x.shape)}")
+    _check_x(x, x.shape[1])
+    x = x.contiguous()
+    m, k = x.shape
+    q, d = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // QBLOCK)
+    load_extension(isa).quantize(x.data_ptr(), m, k, q.data_ptr(), d.data_ptr())
+    return q, d
 
 
 def dequantize_rows(blocks: Tensor, ggml_type: int, k: int, isa: str | None = None) -> Tensor:
@@ -152,17 +197,23 @@ def tiled_linear(
 
 
 class GgufKernel:
-    """A prepared GGUF weight: float32 (..., K) -> (..., N) on the CPU; the C++ kernel for
-    M <= ``max_rows`` rows, the prefill GEMM above (``tiled_linear`` with the C++ decoder
-    where the GEMM cannot be built, with a warning)."""
+    """A prepared GGUF weight: float32 (..., K) -> (..., N) on the CPU; the C++ decode
+    kernel of ``activations`` (module doc) for M <= ``max_rows`` rows, the prefill GEMM
+    above (fp32; ``tiled_linear`` with the C++ decoder where the GEMM cannot be built, with
+    a warning)."""
 
-    def __init__(self, blocks: Tensor, ggml_type: int, k: int, max_rows: int = KILN_MAX_ROWS):
+    def __init__(
+        self, blocks: Tensor, ggml_type: int, k: int, max_rows: int = KILN_MAX_ROWS,
+        activations: str = DEFAULT_ACTIVATIONS,
+    ) -> None:  # fmt: skip
         self.out_features = check_blocks(blocks, ggml_type, k)
         if not blocks.is_cpu:
             raise ValueError(f"GgufKernel runs on the CPU; the blocks are on {blocks.device}")
         self.in_features, self.ggml_type, self.max_rows = k, ggml_type, max_rows
+        self.activations = check_activations(activations)
         self._blocks = blocks.contiguous()
         self._ext = load_extension()
+        self._mm = self._ext.qmm if activations == "int8" else self._ext.mm
         self._gemm: packed_gemm.GgufGemm | None = None
         try:
             self._gemm = packed_gemm.GgufGemm(self._blocks, ggml_type, k)
@@ -196,8 +247,7 @@ class GgufKernel:
             return tiled_linear(x, self._blocks, self._dequant)
         y = torch.empty(*x.shape[:-1], n)  # (..., N)
         if m:
-            self._ext.mm(self.ggml_type, x.data_ptr(), m, k, n, self._blocks.data_ptr(),
-                         y.data_ptr())  # fmt: skip
+            self._mm(self.ggml_type, x.data_ptr(), m, k, n, self._blocks.data_ptr(), y.data_ptr())
         return y
 
 
@@ -216,15 +266,18 @@ class TiledKernel:
 
 
 def gguf_kernel(
-    blocks: Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32
-) -> GgufKernel | TiledKernel:
+    blocks: Tensor, ggml_type: int, k: int, dtype: torch.dtype = torch.float32,
+    activations: str = DEFAULT_ACTIVATIONS,
+) -> GgufKernel | TiledKernel:  # fmt: skip
     """``x @ dequant(blocks).T`` for x (..., K) of ``dtype``: kiln's C++ kernels on the CPU
-    (float32), else (another device, or no compiler: with a warning) the reference
-    dequantizer a tile of rows at a time, in ``dtype``."""
+    (float32; ``activations`` picks the decode kernels' arithmetic, module doc), else
+    (another device, or no compiler: with a warning) the reference dequantizer a tile of
+    rows at a time, in ``dtype`` (exact, whatever ``activations`` says)."""
     check_blocks(blocks, ggml_type, k)
+    check_activations(activations)
     if blocks.is_cpu and dtype == torch.float32:
         try:
-            return GgufKernel(blocks, ggml_type, k)
+            return GgufKernel(blocks, ggml_type, k, activations=activations)
         except (native.KilnCompileError, RuntimeError, OSError) as err:
             warnings.warn(
                 f"kiln's GGUF block kernels are unavailable ({err}); dequantizing tiles in torch",

@@ -10,9 +10,10 @@
 // grouped-query attention over the filled prefix (sliding window, soft-cap) -> o projection
 // -> (post norm) -> residual -> norm -> MLP -> (post norm) -> residual; then final norm,
 // head, soft-cap.
-// Linear layers: dense fp32 / bf16 / fp16 weights through decode_gemv.h, INT8 / INT4
-// weight-only through woq.h's kernels (kiln/kernels/cpu, namespace woq), GGUF tensors'
-// blocks as stored through gguf_blocks.h (namespace kgguf). A bf16 / fp16
+// Linear layers (decode_linear.h): dense fp32 / bf16 / fp16 weights through decode_gemv.h,
+// INT8 / INT4 weight-only through woq.h's kernels (kiln/kernels/cpu, namespace woq), GGUF
+// tensors' blocks as stored through gguf_blocks.h (fp32 activations) or gguf_qdot.h (8-bit
+// activations, integer dot products; namespace kgguf). A bf16 / fp16
 // model's embedding table and KV cache stay 16-bit too (decode_half.h); activations are
 // fp32. Pointwise math uses kiln_vec.h. Threads: one OpenMP region per step on torch's
 // libgomp (the one thread pool), synchronised by work counting (decode_team.h):
@@ -32,105 +33,12 @@
 #include <vector>
 
 #include "decode_desc.h"
-#include "decode_gemv.h"
+#include "decode_linear.h"  // LinearJob: one linear layer of any kind as a Task
 #include "decode_ops.h"
 #include "decode_team.h"
-#include "gguf_blocks.h"  // GGUF blocks decoded in registers: kgguf::run_rows
 #include "kiln_py.h"
-#include "woq.h"  // kiln's INT8 / INT4 kernels: Int8Block, Int4Block, run_blocks, group_sums
 
 namespace kdec {
-
-// One linear layer, y (M, N) = x (M, K) @ W.T, prepared as a Task of items (each a run of
-// blocks: 16 output rows for dense weights and GGUF blocks, kBlockPanels panels for INT8 /
-// INT4).
-struct LinearJob {
-  Lin l;
-  int64_t M;
-  float* y;
-  int storage;  // the dense kinds' storage code, -1 for INT8 / INT4 / GGUF
-  DenseArgs f{};
-  woq::Int8Args i8{};
-  woq::Int4Args i4{};
-  kgguf::Args gg{};
-  std::vector<float> xt, xsum;  // woq's interleaved rows (M > 1) or bf16's split pairs;
-                                // INT4 group sums
-  int64_t blocks = 0, per_item = 1, items = 0;
-
-  LinearJob(const Lin& lin, const float* x, int64_t rows, float* out, int threads)
-      : l(lin), M(rows), y(out), storage(dense_storage(lin.kind)) {
-    if (storage < 0 && l.kind != kLinGguf && M > 1) {  // woq reads rows interleaved (drive)
-      xt = woq::interleave_rows(x, M, l.K);
-    }
-    const float* xk = xt.empty() ? x : xt.data();
-    if (storage == kBF16) {
-      xt.resize(static_cast<size_t>(M * l.K));
-      split_pairs(x, M, l.K, xt.data());
-    }
-    if (storage >= 0) {
-      f = DenseArgs{x, xt.data(), M, l.K, l.N, l.w, storage, l.bias, y};
-      blocks = (l.N + kGemvRowsPerBlock - 1) / kGemvRowsPerBlock;
-    } else if (l.kind == kLinGguf) {  // rows as they are; the bias is added by finish
-      gg = kgguf::Args{x, M, l.K, l.N, static_cast<const uint8_t*>(l.w), static_cast<int>(l.g),
-                       nullptr, y};
-      blocks = (l.N + kgguf::kRowsPerItem - 1) / kgguf::kRowsPerItem;
-    } else {
-      blocks = ((l.N + kv::W - 1) / kv::W + woq::kBlockPanels - 1) / woq::kBlockPanels;
-      if (l.kind == kLinInt8) {
-        i8 = woq::Int8Args{xk, M, l.K, l.N, static_cast<const int8_t*>(l.w), l.scale, y};
-      } else {
-        xsum = woq::group_sums(x, M, l.K, l.g);
-        i4 = woq::Int4Args{xk, M, l.K, l.N, l.g, static_cast<const uint8_t*>(l.w), y, xsum.data()};
-      }
-    }
-    const int64_t n = split_items(blocks, threads);
-    per_item = (blocks + n - 1) / n;
-    items = (blocks + per_item - 1) / per_item;
-  }
-
-  // Item i: blocks [b0, b1), into y or (a helper) into scratch (M, N) at the same places.
-  static void run(const void* ctx, int64_t i, float* scratch) {
-    const LinearJob& j = *static_cast<const LinearJob*>(ctx);
-    const int64_t b0 = i * j.per_item, b1 = std::min(j.blocks, b0 + j.per_item);
-    if (j.storage >= 0) {
-      DenseArgs a = j.f;
-      if (scratch) a.y = scratch;
-      gemv_dense(a, b0 * kGemvRowsPerBlock, std::min(j.l.N, b1 * kGemvRowsPerBlock));
-    } else if (j.l.kind == kLinGguf) {
-      kgguf::Args a = j.gg;
-      if (scratch) a.y = scratch;
-      kgguf::run_rows(a, b0 * kgguf::kRowsPerItem, std::min(j.l.N, b1 * kgguf::kRowsPerItem));
-    } else if (j.l.kind == kLinInt8) {
-      woq::Int8Args a = j.i8;
-      if (scratch) a.y = scratch;
-      woq::run_blocks<woq::Int8Block>(a, b0, b1);
-    } else {
-      woq::Int4Args a = j.i4;
-      if (scratch) a.y = scratch;
-      woq::run_blocks<woq::Int4Block>(a, b0, b1);
-    }
-  }
-
-  // Copies item i's output columns from a helper's scratch to y.
-  static void commit(const void* ctx, int64_t i, const float* scratch) {
-    const LinearJob& j = *static_cast<const LinearJob*>(ctx);
-    const int64_t unit = j.storage >= 0        ? kGemvRowsPerBlock
-                         : j.l.kind == kLinGguf ? kgguf::kRowsPerItem
-                                                : woq::kBlockPanels * kv::W;
-    const int64_t n0 = i * j.per_item * unit, n1 = std::min(j.l.N, (i + 1) * j.per_item * unit);
-    for (int64_t r = 0; r < j.M; ++r)
-      std::memcpy(j.y + r * j.l.N + n0, scratch + r * j.l.N + n0, sizeof(float) * (n1 - n0));
-  }
-
-  Task task() const { return Task{items, &LinearJob::run, &LinearJob::commit, this}; }
-
-  // The bias of the woq kinds (dense adds it in its kernel), once all items are done.
-  void finish() const {
-    if (storage >= 0 || l.bias == nullptr) return;
-    for (int64_t r = 0; r < M; ++r)
-      for (int64_t n = 0; n < l.N; ++n) y[r * l.N + n] += l.bias[n];
-  }
-};
 
 // Rows of a step: B sequences x T consecutive positions from `pos`; row r = b * T + t is
 // sequence b at position pos + t.
@@ -194,6 +102,7 @@ int64_t attention_per_item(const Model& m, const Rows& rows, int threads) {
 struct Jobs {
   std::deque<LinearJob> linear;
   std::deque<AttentionJob> attention;
+  std::deque<kgguf::QBuffer> quantized;  // 8-bit blocks of the GGUF-Q8 layers' inputs
   int threads;
 };
 
@@ -210,21 +119,12 @@ int team_threads(int64_t requested, int64_t bytes) {
   return omp_get_max_threads();
 }
 
-int64_t weight_bytes(const Lin& l) {
-  if (l.kind < 0) return 0;
-  const int64_t n = l.N * l.K, s = dense_storage(l.kind);
-  int64_t elems = 1, bytes = 1;
-  if (l.kind == kLinGguf && kgguf::block_shape(static_cast<int>(l.g), elems, bytes))
-    return n / elems * bytes;
-  return s >= 0 ? storage_bytes(static_cast<int>(s)) * n : (l.kind == kLinInt8 ? n : n / 2);
-}
-
 // Runs body(team, jobs) on thread 0 of one OpenMP region of `threads` threads
 // (decode_team.h); an exception on thread 0 ends the region and is rethrown here.
 template <class F>
 void in_team(int threads, int64_t max_phases, int64_t scratch_floats, F&& body) {
   Team team(max_phases, threads, scratch_floats);
-  Jobs jobs{{}, {}, threads};
+  Jobs jobs{{}, {}, {}, threads};
   std::exception_ptr failure;
 #pragma omp parallel num_threads(threads) if (threads > 1)
   {
@@ -248,11 +148,18 @@ struct LinearCall {
   const float* x;
   float* y;
 };
+// GGUF-Q8 layers reading the same x share its 8-bit blocks, quantized once here.
 void linears(Team& team, Jobs& jobs, int64_t M, std::initializer_list<LinearCall> calls) {
   Task tasks[3];
   size_t n = 0;
+  const float* quantized_x = nullptr;
+  kgguf::QActs qx{};
   for (const LinearCall& c : calls) {
-    jobs.linear.emplace_back(c.l, c.x, M, c.y, jobs.threads);
+    if (c.l.kind == kLinGgufQ8 && c.x != quantized_x) {
+      qx = jobs.quantized.emplace_back().quantize(c.x, M, c.l.K);
+      quantized_x = c.x;
+    }
+    jobs.linear.emplace_back(c.l, c.x, M, c.y, jobs.threads, &qx);
     tasks[n++] = jobs.linear.back().task();
   }
   team.run({tasks[0], tasks[1], tasks[2]});
@@ -410,9 +317,9 @@ PyObject* py_linear(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Reader r{reinterpret_cast<const int64_t*>(v[0])};
   const Lin l = r.lin();
   return released("linear", [&]() -> std::string {
-    if (l.kind < kLinFp32 || l.kind > kLinGguf) return "unknown kind " + std::to_string(l.kind);
+    if (l.kind < kLinFp32 || l.kind > kLinGgufQ8) return "unknown kind " + std::to_string(l.kind);
     int64_t elems, bytes;
-    if (l.kind == kLinGguf && !kgguf::block_shape(static_cast<int>(l.g), elems, bytes))
+    if (is_gguf(l.kind) && !kgguf::block_shape(static_cast<int>(l.g), elems, bytes))
       return "no GGUF block kernel for ggml type " + std::to_string(l.g);
     const auto* x = reinterpret_cast<const float*>(v[1]);
     auto* y = reinterpret_cast<float*>(v[3]);

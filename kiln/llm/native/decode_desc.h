@@ -2,7 +2,8 @@
 //
 // Descriptor (all int64; F = a double's bits, P = a pointer, NORM = P weight, P bias
 // (0 = absent; weight 0 = no norm), LIN = kind (-1 none, 0 fp32, 1 int8, 2 int4, 3 bf16,
-// 4 fp16, 5 GGUF blocks), N, K, group (GGUF: the ggml type), P weight, P scale, P bias;
+// 4 fp16, 5 GGUF blocks, 6 GGUF blocks with 8-bit activations), N, K, group (GGUF: the
+// ggml type), P weight, P scale, P bias;
 // S = a storage code of decode_half.h):
 //   header: kMagic, n_layers, B, C, H, Hkv, D, F_inter, V, max_len, norm_kind (0 rms,
 //           1 layer), F eps, F norm_offset, act (0 silu, 1 gelu, 2 gelu_tanh, 3 relu),
@@ -25,9 +26,10 @@ constexpr int64_t kMagic = 0x6B696C6E64656302;  // "kilndec" + layout version 2
 constexpr int64_t kLayerEnd = 0x6C61796572656E64;
 
 // Linear kinds: dense (a weight matrix of one storage type), woq.h's packed layouts, or a
-// GGUF tensor's blocks as stored (gguf_blocks.h; the record's group is the ggml type).
+// GGUF tensor's blocks as stored (the record's group is the ggml type), multiplied with fp32
+// activations (gguf_blocks.h) or with 8-bit activation blocks (gguf_qdot.h).
 enum : int64_t { kLinFp32 = 0, kLinInt8 = 1, kLinInt4 = 2, kLinBf16 = 3, kLinFp16 = 4,
-                 kLinGguf = 5 };
+                 kLinGguf = 5, kLinGgufQ8 = 6 };
 
 // The storage code of a dense kind, or -1 for a packed (woq, GGUF) kind.
 inline int dense_storage(int64_t kind) {

@@ -3,18 +3,20 @@
 The extension is a tiny CPython module compiled with plain ``g++`` (as ``woq.py``'s: no
 torch headers, METH_FASTCALL taking plain integers, so a call costs well under a
 microsecond of binding work). It includes ``woq.h`` (kiln/kernels/cpu, on the include
-path) for the INT8 / INT4 kernels, ``gguf_blocks.h`` (next to it) for GGUF blocks, and ``kiln_vec.h`` for the SIMD math, and links libgomp
+path) for the INT8 / INT4 kernels, ``gguf_blocks.h`` / ``gguf_q8.h`` / ``gguf_qdot.h`` (next
+to it) for GGUF blocks, and ``kiln_vec.h`` for the SIMD math, and links libgomp
 (``-fopenmp``), which resolves to the copy torch has loaded: torch's one thread pool. The
 ``.so`` is cached under ``<kiln cache>/decode/`` by a hash of every source it includes
-(``SOURCES``: decode.cpp, decode_*.h, woq.h, gguf_blocks.h, kiln_py.h, kiln_vec*.h), the flags, the compiler,
-torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512 elsewhere).
+(``SOURCES``: decode.cpp, decode_*.h, woq.h, gguf_*.h, kiln_py.h, kiln_vec*.h), the flags,
+the compiler, torch and Python versions and the CPU's vector ISA flags (AVX2 here, AVX-512
+elsewhere).
 
 The model reaches C++ as a flat int64 *descriptor* (layout in decode_desc.h's header
 comment) built by ``Descriptor``: integers, floats as their double bits, tensors as data
 pointers. ``Descriptor`` keeps every tensor it points to alive. One linear layer is a
 ``LinearArgs`` record (dense fp32 / bf16 / fp16, INT8 / INT4 packed, or a GGUF tensor's
-blocks as stored); ``linear`` runs one
-such record alone (tests, measurements).
+blocks as stored, with 8-bit or fp32 activations); ``linear`` runs one such record alone
+(tests, measurements).
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ from kiln.kernels.formats import check_int4, check_int8
 HERE = Path(__file__).resolve().parent
 # decode.cpp (what is compiled), then every header it includes: they all enter the cache key.
 SOURCES = (
-    *(HERE / name for name in ("decode.cpp", "decode_desc.h", "decode_ops.h", "decode_team.h",
-                               "decode_gemv.h", "decode_half.h")),
+    *(HERE / name for name in ("decode.cpp", "decode_desc.h", "decode_linear.h", "decode_ops.h",
+                               "decode_team.h", "decode_gemv.h", "decode_half.h")),
     woq.KERNEL_HEADER,
     gguf_blocks.KERNEL_HEADER,
+    *gguf_blocks.QDOT_HEADERS,
     woq.PY_HEADER,
     *woq.VEC_HEADERS,
 )  # fmt: skip
@@ -54,7 +57,10 @@ FLAGS = (
     "-std=c++17",  # ISO mode: no implicit FMA contraction (products round like torch's)
 )
 
-KIND_NONE, KIND_FP32, KIND_INT8, KIND_INT4, KIND_BF16, KIND_FP16, KIND_GGUF = range(-1, 6)
+KIND_NONE, KIND_FP32, KIND_INT8, KIND_INT4, KIND_BF16, KIND_FP16, KIND_GGUF, KIND_GGUF_Q8 = range(
+    -1, 7
+)
+GGUF_KINDS = {"fp32": KIND_GGUF, "int8": KIND_GGUF_Q8}  # by the layer's activations
 LAYOUT_MAGIC = 0x6B696C6E64656302  # decode_desc.h kMagic
 # Storage codes of decode_half.h (the embedding table, the KV cache) and dense linear kinds.
 STORAGE = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -149,14 +155,20 @@ def int4_args(
     return LinearArgs(KIND_INT4, n, k, group_size, w, None, _bias(bias, n))
 
 
-def gguf_args(blocks: Tensor, ggml_type: int, k: int, bias: Tensor | None) -> LinearArgs:
+def gguf_args(
+    blocks: Tensor, ggml_type: int, k: int, bias: Tensor | None,
+    activations: str = gguf_blocks.DEFAULT_ACTIVATIONS,
+) -> LinearArgs:  # fmt: skip
     """A GGUF tensor's blocks as stored (uint8 (N, K / elems * bytes), ggml type
     ``ggml_type``: ``kiln.kernels.cpu.gguf_blocks``), used in place: the record's group is
-    the type, and the kernel decodes the blocks in registers."""
+    the type, and the kernel decodes the blocks in registers, multiplied with x quantized
+    to 8-bit blocks (``activations="int8"``: integer dot products, kind 6) or exactly in
+    fp32 (``"fp32"``, kind 5)."""
     n = gguf_blocks.check_blocks(blocks, ggml_type, k)
+    kind = GGUF_KINDS[gguf_blocks.check_activations(activations)]
     if not blocks.is_cpu:
         raise ValueError(f"the blocks must be on the CPU, got {blocks.device}")
-    return LinearArgs(KIND_GGUF, n, k, ggml_type, blocks.contiguous(), None, _bias(bias, n))
+    return LinearArgs(kind, n, k, ggml_type, blocks.contiguous(), None, _bias(bias, n))
 
 
 NO_LINEAR = [KIND_NONE, 0, 0, 0, 0, 0, 0]

@@ -1,8 +1,12 @@
 """kiln.kernels.cpu.gguf_blocks: the C++ block kernels (AVX-512 and AVX2 builds) and the
 pure-torch reference dequantizer against the gguf package's ``dequantize``, per type, on
-random valid blocks and on blocks quantized from real-valued weights; the row dispatch
-(kernel / prefill GEMM / tiles), the fallback without a compiler, argument checks and the
-build cache. (The prefill GEMM itself: test_packed_gemm.py.)"""
+random valid blocks and on blocks quantized from real-valued weights: the exact kernels
+(fp32 activations) against F.linear; the 8-bit-activation kernels (integer dot products:
+VNNI in the AVX-512 build on a CPU with it, maddubs in the AVX2 build) against a NumPy
+reference that quantizes x the same way and multiplies in float64, and against the
+analytic bound of their deviation from the exact product; the row dispatch (kernel /
+prefill GEMM / tiles), the fallback without a compiler, argument checks and the build
+cache. (The prefill GEMM itself: test_packed_gemm.py.)"""
 
 from __future__ import annotations
 
@@ -24,6 +28,9 @@ TYPES = [Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1]
 # Both vector paths: this CPU's, and AVX2 built with -mno-avx512f on an AVX-512 CPU.
 ISAS = ["avx512", "avx2"] if native.isa() == "avx512" else ["avx2"]
 RTOL = 2e-5  # fp32 sums in another order than MKL's: a few ulps of the largest output
+# 8-bit path vs the float64 reference on the same int8 activations: the kernel's fp32
+# products and sums (measured <= 4e-7 of the largest output)
+RTOL_Q8 = 2e-6
 ROWS = (1, 3, 17)  # one row, a partial register block, more than two chunks of 8
 
 
@@ -36,9 +43,34 @@ def _k(kind: Q) -> int:
     return 512 if gguf.GGML_QUANT_SIZES[kind][0] == 256 else 96  # 2 super-blocks / 3 blocks
 
 
+def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activations' 8-bit blocks, written from their definition: per block of 32,
+    d = max|x| / 127 and q = round_half_even(x * (1 / d)) in float32 (d = 0: q = 0).
+    x (M, K) float32 -> q int8 (M, K), d float32 (M, K / 32)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def _q8_reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y, bound): x quantized by ``_quantize``, multiplied with the weights' values w (N,
+    K) in float64 (exact for these integers and fp16-derived values up to float64
+    rounding); bound: the most the exact product x @ w.T can differ from it, sum |w| d / 2
+    per output (each activation moved by at most half its block's step)."""
+    q, d = _quantize(x)
+    dx = np.repeat(d.astype(np.float64), 32, axis=1)  # (M, K)
+    y = (q.astype(np.float64) * dx) @ w.astype(np.float64).T
+    return y, (dx / 2) @ np.abs(w.astype(np.float64)).T
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
+    """Both arithmetics: fp32 activations against F.linear on the same values; 8-bit
+    activations against the reference quantizing x the same way (tight), and within the
+    analytic bound of the exact product."""
     n, k = 37, _k(kind)  # ragged N: no multiple of any block height
     raw = random_blocks(kind, n, k, seed=int(kind))
     w = _gguf_values(raw, kind)
@@ -46,9 +78,38 @@ def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
     gen = torch.Generator().manual_seed(0)
     for m in ROWS:
         x = torch.randn(m, k, generator=gen)
-        assert_close_to_reference(gb.gguf_matmul(x, blocks, int(kind), isa), F.linear(x, w),
-                                  rtol_to_max=RTOL)  # fmt: skip
+        exact = F.linear(x, w)
+        got = gb.gguf_matmul(x, blocks, int(kind), isa, activations="fp32")
+        assert_close_to_reference(got, exact, rtol_to_max=RTOL)
+        want, bound = _q8_reference(x.numpy(), w.numpy())
+        got = gb.gguf_matmul(x, blocks, int(kind), isa, activations="int8")
+        assert_close_to_reference(got.double(), torch.from_numpy(want), rtol_to_max=RTOL_Q8)
+        slack = RTOL_Q8 * float(np.abs(want).max())
+        assert bool(((got - exact).abs().double() <= torch.from_numpy(bound) + slack).all())
     assert torch.equal(gb.dequantize_rows(blocks, int(kind), k, isa), w)  # same values exactly
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_activation_blocks_follow_their_definition(isa: str) -> None:
+    """The C++ quantizer gives ``_quantize``'s int8 values and scales to the bit: random
+    rows, values at the half steps (ties round to even), an all-zero block, a block whose
+    max is negative; a block holding inf or NaN gets a NaN scale, so its row's outputs are
+    NaN (as the exact path's), the other rows untouched."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 128, generator=gen) * torch.tensor([1e-3, 1.0, 30.0, 1e4, 1.0])[:, None]
+    x[1, :32] = torch.arange(32) - 15.5  # max 16.5: steps of 16.5 / 127
+    x[2, 32:64] = 0.0
+    x[3, 64:96] = -x[3, 64:96].abs()
+    q, d = gb.quantize_activations(x, isa)
+    want_q, want_d = _quantize(x.numpy())
+    assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d)
+    assert int(q[2, 32:64].abs().sum()) == 0 and float(d[2, 1]) == 0.0
+    raw = torch.from_numpy(random_blocks(Q.Q4_K, 8, 256))
+    bad = torch.randn(3, 256, generator=gen)
+    bad[1, 40] = float("inf")
+    y = gb.gguf_matmul(bad, raw, int(Q.Q4_K), isa, activations="int8")
+    assert bool(y[1].isnan().all()) and bool(y[[0, 2]].isfinite().all())
+    assert gb.load_extension(isa).dot_isa() in ("avx512_vnni", "avx_vnni", "avx2")
 
 
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
@@ -62,8 +123,9 @@ def test_reference_dequantizer_is_exact(kind: Q) -> None:
         assert torch.equal(got, _gguf_values(raw, kind))
 
 
+@pytest.mark.parametrize("activations", gb.ACTIVATIONS)
 @pytest.mark.parametrize("kind", [Q.Q8_0, Q.Q6_K], ids=lambda t: t.name)
-def test_kernel_on_quantized_weights(kind: Q) -> None:
+def test_kernel_on_quantized_weights(kind: Q, activations: str) -> None:
     """Realistic blocks (quantized from N(0, 0.2) weights), one thread and two."""
     raw = quantize(np.random.default_rng(2).normal(0, 0.2, size=(300, 512)), kind)
     w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
@@ -71,13 +133,17 @@ def test_kernel_on_quantized_weights(kind: Q) -> None:
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = gb.gguf_matmul(x, blocks, int(kind))
+        one = gb.gguf_matmul(x, blocks, int(kind), activations=activations)
         torch.set_num_threads(2)
-        two = gb.gguf_matmul(x, blocks, int(kind))
+        two = gb.gguf_matmul(x, blocks, int(kind), activations=activations)
     finally:
         torch.set_num_threads(before)
     assert torch.equal(one, two)  # each output summed by one thread in a fixed order
-    assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)
+    if activations == "fp32":
+        assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)
+    else:
+        want = torch.from_numpy(_q8_reference(x.numpy(), w.numpy())[0])
+        assert_close_to_reference(one.double(), want, rtol_to_max=RTOL_Q8)
 
 
 @pytest.mark.parametrize("gemm", [True, False], ids=["gemm", "tiles"])
@@ -89,7 +155,7 @@ def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, gemm: bool) ->
     raw = random_blocks(kind, n, k)
     w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
     if gemm:
-        kernel = gb.GgufKernel(blocks, int(kind), k)
+        kernel = gb.GgufKernel(blocks, int(kind), k, activations="fp32")
     else:
 
         def broken(isa: str | None = None) -> None:
@@ -97,13 +163,27 @@ def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, gemm: bool) ->
 
         monkeypatch.setattr(pg, "load_extension", broken)
         with pytest.warns(RuntimeWarning, match="dequantizing tiles for many rows"):
-            kernel = gb.GgufKernel(blocks, int(kind), k)
+            kernel = gb.GgufKernel(blocks, int(kind), k, activations="fp32")
     assert (kernel.backend(gb.KILN_MAX_ROWS), kernel.backend(gb.KILN_MAX_ROWS + 1)) == (
         "kiln", "gemm" if gemm else "tiles",
     )  # fmt: skip
     for shape in ((1, k), (2, 9, k), (gb.KILN_MAX_ROWS + 1, k), (3, 40, k), (0, k)):
         x = torch.randn(shape)
         assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
+
+
+def test_default_kernel_quantizes_decode_rows_only() -> None:
+    """``GgufKernel``'s default: the 8-bit kernel up to KILN_MAX_ROWS rows (the same bits as
+    ``gguf_matmul``'s), the fp32 prefill GEMM above."""
+    kind, n, k = Q.Q5_0, 40, 256
+    raw = random_blocks(kind, n, k)
+    w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
+    kernel = gb.GgufKernel(blocks, int(kind), k)
+    assert kernel.activations == gb.DEFAULT_ACTIVATIONS == "int8"
+    x = torch.randn(gb.KILN_MAX_ROWS + 1, k)
+    few = x[: gb.KILN_MAX_ROWS]
+    assert torch.equal(kernel(few), gb.gguf_matmul(few, blocks, int(kind)))
+    assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
 
 
 def test_without_a_compiler_the_reference_serves(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,6 +212,10 @@ def test_arguments_are_checked() -> None:
         gb.load_extension().mm(int(Q.Q2_K), 0, 0, 0, 0, 0, 0)  # the C++ side checks too
     with pytest.raises(ValueError, match="isa must be"):
         gb.load_extension("sse2")
+    with pytest.raises(ValueError, match="activations must be one of"):
+        gb.gguf_matmul(torch.randn(1, 64), raw, int(Q.Q8_0), activations="int4")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gb.quantize_activations(torch.randn(2, 48))
 
 
 def test_isa_builds_and_cache_key() -> None:
@@ -144,4 +228,5 @@ def test_isa_builds_and_cache_key() -> None:
     assert gb.SOURCES[0].name == "gguf_blocks.cpp"
     included = quoted_includes(gb.SOURCES[0], [native.INCLUDE])
     assert included <= {p.resolve() for p in gb.SOURCES}
-    assert {p.name for p in included} >= {"gguf_blocks.h", "kiln_vec.h", "kiln_py.h"}
+    assert {p.name for p in included} >= {"gguf_blocks.h", "gguf_q8.h", "gguf_qdot.h",
+                                          "kiln_vec.h", "kiln_py.h"}  # fmt: skip
