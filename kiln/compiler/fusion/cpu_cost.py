@@ -133,7 +133,12 @@ def _strided(graph: Graph, value: str) -> bool:
     if not is_view(graph, value):
         return False
     acc = access(graph, value)
-    return isinstance(acc, Access) and acc.shape[-1] > 1 and acc.strides[-1] not in (0, 1)
+    return (
+        isinstance(acc, Access)
+        and bool(acc.shape)
+        and acc.shape[-1] > 1
+        and acc.strides[-1] not in (0, 1)
+    )
 
 
 def _gemm_work(node: Node, graph: Graph, root: Callable[[str], str]) -> GemmWork | None:
