@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kiln_vec.h"
 
@@ -256,21 +257,28 @@ inline void rows_range(const Args& a, int64_t n0, int64_t n1, int64_t r0) {
   for (; n < n1; ++n) rows_block<F, M, 1>(a, n, r0);
 }
 
+// Calls f(std::integral_constant<int, M>{}, r0) for the activation rows in chunks of
+// M <= 8 starting at r0: the kernels' row count is a compile-time constant.
+template <class Fn>
+inline void for_row_chunks(int64_t rows, Fn&& f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 8) {
+    switch (std::min<int64_t>(8, rows - r0)) {
+      case 1: f(std::integral_constant<int, 1>{}, r0); break;
+      case 2: f(std::integral_constant<int, 2>{}, r0); break;
+      case 3: f(std::integral_constant<int, 3>{}, r0); break;
+      case 4: f(std::integral_constant<int, 4>{}, r0); break;
+      case 5: f(std::integral_constant<int, 5>{}, r0); break;
+      case 6: f(std::integral_constant<int, 6>{}, r0); break;
+      case 7: f(std::integral_constant<int, 7>{}, r0); break;
+      default: f(std::integral_constant<int, 8>{}, r0);
+    }
+  }
+}
+
 // Output rows [n0, n1) for every activation row, in chunks of <= 8 rows.
 template <class F>
 inline void rows_all(const Args& a, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
-    switch (std::min<int64_t>(8, a.M - r0)) {
-      case 1: rows_range<F, 1>(a, n0, n1, r0); break;
-      case 2: rows_range<F, 2>(a, n0, n1, r0); break;
-      case 3: rows_range<F, 3>(a, n0, n1, r0); break;
-      case 4: rows_range<F, 4>(a, n0, n1, r0); break;
-      case 5: rows_range<F, 5>(a, n0, n1, r0); break;
-      case 6: rows_range<F, 6>(a, n0, n1, r0); break;
-      case 7: rows_range<F, 7>(a, n0, n1, r0); break;
-      default: rows_range<F, 8>(a, n0, n1, r0);
-    }
-  }
+  for_row_chunks(a.M, [&](auto m, int64_t r0) { rows_range<F, decltype(m)::value>(a, n0, n1, r0); });
 }
 
 // Elements per block and bytes per block of ggml type `type`; false for a type not here.

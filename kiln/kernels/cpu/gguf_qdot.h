@@ -282,18 +282,7 @@ inline void rows_range(const Args& a, int64_t n0, int64_t n1, int64_t r0) {
 // Output rows [n0, n1) for every activation row, in chunks of <= 8 rows.
 template <class F>
 inline void rows_all(const Args& a, int64_t n0, int64_t n1) {
-  for (int64_t r0 = 0; r0 < a.M; r0 += 8) {
-    switch (std::min<int64_t>(8, a.M - r0)) {
-      case 1: rows_range<F, 1>(a, n0, n1, r0); break;
-      case 2: rows_range<F, 2>(a, n0, n1, r0); break;
-      case 3: rows_range<F, 3>(a, n0, n1, r0); break;
-      case 4: rows_range<F, 4>(a, n0, n1, r0); break;
-      case 5: rows_range<F, 5>(a, n0, n1, r0); break;
-      case 6: rows_range<F, 6>(a, n0, n1, r0); break;
-      case 7: rows_range<F, 7>(a, n0, n1, r0); break;
-      default: rows_range<F, 8>(a, n0, n1, r0);
-    }
-  }
+  for_row_chunks(a.M, [&](auto m, int64_t r0) { rows_range<F, decltype(m)::value>(a, n0, n1, r0); });
 }
 
 // Output rows [n0, n1), all activation rows, on the calling thread (the decode step's unit).
