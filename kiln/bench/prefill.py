@@ -43,7 +43,6 @@ import importlib.util
 import json
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -56,20 +55,11 @@ from typing import IO, Any
 from kiln.bench import RESULTS_DIR, system
 from kiln.bench.channel import reply_channel, send
 from kiln.bench.gguf_variants import describe, gguf_arg, gguf_file
+from kiln.bench.prefill_peers import SEED, THREADS, LlamaBench, LlamaCppPrefill, prompt_ids
 from kiln.bench.prefill_report import KILN, render_markdown, summarize
 from kiln.bench.suite_runner import Worker, timed_request, worker_env
 
-THREADS = 2
-SEED = 1234
 CONTENDERS = ("kiln-before", "kiln-after", "llamacpp", "llama-bench")
-
-
-def prompt_ids(length: int, vocab: int = 49152) -> list[int]:
-    """``length`` token ids, drawn with a fixed seed in [100, vocab) (the same for all)."""
-    import random
-
-    rng = random.Random(SEED)
-    return [rng.randrange(100, vocab) for _ in range(length)]
 
 
 # ---------------------------------------------------------------- the old prefill path
@@ -199,48 +189,6 @@ def profile_prefill(model: Any, run: Callable[[], Any], reps: int) -> dict[str, 
         for h in handles:
             h.remove()
     return best
-
-
-class LlamaCppPrefill:
-    """llama.cpp via llama-cpp-python: TTFT of a one-token generation."""
-
-    def __init__(self, gguf: str | None = None) -> None:
-        self.gguf = gguf
-
-    def prepare(self, lengths: Sequence[int]) -> dict[str, Any]:
-        from kiln.bench.llm_decode_peers import LlamaCpp
-
-        self.llm = LlamaCpp(self.gguf)
-        facts = self.llm.prepare([1], max(lengths) + 8)
-        for n in lengths:
-            self.ttft(n)
-        return {k: facts[k] for k in ("runtime", "dtype", "threads")}
-
-    def ttft(self, n: int) -> dict[str, Any]:
-        gen = self.llm.generate(prompt_ids(n), 1, 1)
-        return {"ttft_s": gen.ttft_s, "token": gen.tokens[0][0], **gen.extra}
-
-
-class LlamaBench:
-    """llama.cpp's ``llama-bench`` binary: prompt processing time as it reports it."""
-
-    def __init__(self, gguf: str | None = None) -> None:
-        self.gguf = gguf
-
-    def prepare(self, lengths: Sequence[int]) -> dict[str, Any]:
-        from kiln.models.catalog import smollm2_gguf_path
-
-        self.exe, self.path = shutil.which("llama-bench"), self.gguf or str(smollm2_gguf_path())
-        if self.exe is None:
-            raise FileNotFoundError("llama-bench is not on PATH")
-        return {"runtime": "llama-bench", "threads": THREADS}
-
-    def ttft(self, n: int) -> dict[str, Any]:
-        assert self.exe is not None
-        cmd = [self.exe, "-m", self.path, "-p", str(n), "-n", "0", "-t", str(THREADS),
-               "-r", "1", "-o", "json"]  # fmt: skip
-        out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
-        return {"ttft_s": float(out[0]["avg_ns"]) / 1e9, "token": None}
 
 
 def _contender(name: str, gguf: str | None) -> Any:
