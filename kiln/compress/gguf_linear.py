@@ -6,15 +6,17 @@ Q4_K / Q5_K / Q6_K: 256-element super-blocks with 6- or 8-bit sub-block scales; 
 uint8 buffer ``blocks`` (N, K / elems * bytes), plus the ggml type; nothing is converted,
 so the values are the file's to the bit and the bytes are the file's size. Its kernel
 (``kiln.kernels.registry.gguf_weight_only``) decodes the blocks in registers for a few
-rows (decode) and multiplies them with kiln's prefill GEMM for more (prefill, fp32).
+rows (decode) and multiplies them with kiln's prefill GEMM for more (prefill).
 
-``activations`` picks the decode rows' arithmetic (``ACTIVATIONS``), here and in the C++
-decode step (``kiln.llm.fast_decoder``), which reads it from the layer:
+``activations`` picks the arithmetic (``ACTIVATIONS``), here and in the C++ decode step
+(``kiln.llm.fast_decoder``), which reads it from the layer:
 
 * ``"int8"``, the default: x is quantized to 8-bit blocks of 32 (int8 values and one fp32
   scale, max|x| / 127, per block) once per call and each weight block is multiplied by
   integer dot products, scaled in fp32 — llama.cpp's own arithmetic on these files, about
-  twice as fast at decode. Each activation moves by at most max|x| / 254 of its block, less
+  twice as fast at decode; prefill (more than 16 rows) runs the same arithmetic as a GEMM
+  where the CPU has AVX-512 VNNI (``kiln.kernels.cpu.packed_gemm``, 2-2.8x the fp32
+  GEMM), in fp32 elsewhere. Each activation moves by at most max|x| / 254 of its block, less
   than the weights' own quantization error; logits differ from the dequantized model's by
   about a percent of their range (the tests state the bounds).
 * ``"fp32"``: exact: the weights decoded to fp32 in registers, FMAed with fp32 activations:
@@ -51,7 +53,7 @@ from kiln.kernels.registry import gguf_dequantize, gguf_weight_only
 class GgufLinear(CompressedLinear):
     """A GGUF tensor's blocks: ``blocks`` uint8 (N, K / elems * bytes), ``ggml_type`` the
     ggml type id (``gguf.GGMLQuantizationType``), optional fp32 bias (N,); ``activations``
-    the decode arithmetic (module doc; a runtime choice, not stored in checkpoints)."""
+    the arithmetic (module doc; a runtime choice, not stored in checkpoints)."""
 
     kind = "gguf"
     blocks: Tensor

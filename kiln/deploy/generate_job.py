@@ -56,7 +56,7 @@ class GenerateRequest:
     sampling: Sampling = Sampling()
     dtype: str = "float32"
     packed: bool = True  # keep a GGUF's quantized layers packed (kiln's block kernels)
-    # packed GGUF layers at decode: "int8" activation blocks (llama.cpp's arithmetic, the
+    # packed GGUF layers: "int8" activation blocks (llama.cpp's arithmetic, the
     # faster) or "fp32" (exact: the dequantized model's results); GgufLinear's module doc
     gguf_activations: str = DEFAULT_ACTIVATIONS
     head: str = "auto"  # HEADS; auto: INT8 head when the linear layers are compressed (a

@@ -10,8 +10,8 @@ tensor table; tensor data is read with explicit reads of just the rows asked for
   that need no reordering can also be zero-copy views of the mapping (``LazyTensor.view``).
 * Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K linear weights, with ``packed=True``:
   kept as the file's blocks, a ``GgufLinear`` each (its C++ kernels decode the blocks in
-  registers; ``kiln.kernels.cpu.gguf_blocks``), multiplied at decode with the activations
-  quantized to 8-bit blocks by default (``GgufLinear.activations``: llama.cpp's arithmetic;
+  registers; ``kiln.kernels.cpu.gguf_blocks``), multiplied with the activations
+  quantized to 8-bit blocks by default (decode; prefill on AVX-512 VNNI) (``GgufLinear.activations``: llama.cpp's arithmetic;
   ``"fp32"`` is exact). A file mixes types per tensor (a Q4_K_M file holds Q4_K, Q5_0, Q6_K
   and Q8_0 tensors): each layer runs its own type's kernel. Q4_0 / Q4_1 were repacked to
   kiln's INT4 layout before; their blocks with the integer-dot kernel took 0.6-0.8x that

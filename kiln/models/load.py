@@ -12,7 +12,7 @@ columns of each block linear: only those are read), ``on_block`` (quantize the b
 write it to an offload store, ... as soon as it is filled). Tensors kept as stored in the
 requested dtype stay views of the memory-mapped file; packed GGUF layers replace their
 ``nn.Linear`` with ``GgufLinear`` (the file's blocks: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K; 8-bit activations at decode by default, ``GgufLinear.activations``).
+Q5_K, Q6_K; 8-bit activations by default, ``GgufLinear.activations``).
 
     loaded = load_model("smollm2")                     # the catalog's GGUF, kept packed
     loaded = load_model("/ckpt/llama", dtype=torch.bfloat16)

@@ -24,7 +24,8 @@ from tests.support.models import DECODE_LLAMA, tiny_transformer
 
 
 def _gguf_blocks_(model: Transformer) -> None:
-    """Every block linear -> a GgufLinear of its weight quantized to Q8_0 (bias kept)."""
+    """Every block linear -> a GgufLinear of its weight quantized to Q8_0 (bias kept), exact
+    (fp32 activations: the old path's arithmetic)."""
     for block in model.layers:
         for parent in (block.attn, block.mlp):
             for name, mod in list(parent.named_children()):
@@ -32,7 +33,9 @@ def _gguf_blocks_(model: Transformer) -> None:
                     w = mod.weight.detach().numpy().astype(np.float32)
                     blocks = torch.from_numpy(quantize(w, TYPE_IDS["Q8_0"]))
                     setattr(
-                        parent, name, GgufLinear(blocks, TYPE_IDS["Q8_0"], w.shape[1], mod.bias)
+                        parent,
+                        name,
+                        GgufLinear(blocks, TYPE_IDS["Q8_0"], w.shape[1], mod.bias, "fp32"),
                     )
 
 

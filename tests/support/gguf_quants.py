@@ -1,5 +1,7 @@
 """GGUF block bytes for tests: random valid blocks of any type kiln decodes, and a simple
-quantizer for the K-quants (the gguf package's ``quantize`` covers only Q4_0 .. Q8_0).
+quantizer for the K-quants (the gguf package's ``quantize`` covers only Q4_0 .. Q8_0),
+and the reference of the 8-bit-activation kernels (``q8_reference``: x quantized to 8-bit
+blocks from their definition, multiplied in float64).
 
 Both write the layouts of ``kiln/kernels/cpu/gguf_blocks.h`` from scratch (numpy); the
 gguf package's ``dequantize`` reads them back in the tests, so a layout written wrong here
@@ -111,3 +113,25 @@ def quantize(w: np.ndarray, kind: Q) -> np.ndarray:
     if kind in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         return quantize_k(w, kind)
     return gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), kind)
+
+
+def q8_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The activations' 8-bit blocks, written from their definition: per block of 32,
+    d = max|x| / 127 and q = round_half_even(x * (1 / d)) in float32 (d = 0: q = 0).
+    x (M, K) float32 -> q int8 (M, K), d float32 (M, K / 32)."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    d = np.abs(blocks).max(axis=-1) / np.float32(127)
+    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
+    q = np.rint(blocks * inv[..., None]).astype(np.int8)
+    return q.reshape(x.shape), d
+
+
+def q8_reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(y, bound): x quantized by ``q8_activations``, multiplied with the weights' values w (N,
+    K) in float64 (exact for these integers and fp16-derived values up to float64
+    rounding); bound: the most the exact product x @ w.T can differ from it, sum |w| d / 2
+    per output (each activation moved by at most half its block's step)."""
+    q, d = q8_activations(x)
+    dx = np.repeat(d.astype(np.float64), 32, axis=1)  # (M, K)
+    y = (q.astype(np.float64) * dx) @ w.astype(np.float64).T
+    return y, (dx / 2) @ np.abs(w.astype(np.float64)).T

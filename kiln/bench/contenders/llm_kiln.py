@@ -9,7 +9,7 @@ quantized to INT8 per channel as llama.cpp reads its Q8_0 table) and ``kiln-spec
 ``kiln-fast`` model's greedy text by ``kiln.llm.speculative``: an INT8 copy guesses
 ``SPEC_GUESSES`` tokens, the fp32 model checks them in one call; batch 1). Given another GGUF
 file of the model (``gguf``), each loads that file instead: ``kiln-int4`` keeps every
-quantized tensor packed as stored (``GgufLinear``, 8-bit activations at decode as
+quantized tensor packed as stored (``GgufLinear``, 8-bit activations as
 llama.cpp), the others dequantize it. kiln modules
 are imported when a contender is prepared, not before. ``timed_greedy`` times any ``prefill``/``step`` pair the
 same way, so another decoder with those two methods plugs in through

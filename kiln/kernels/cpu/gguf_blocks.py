@@ -24,12 +24,16 @@ the file's bytes, and computes with it three ways:
   Built like ``woq.py``'s extension with plain g++ and -march=native (AVX-512 or AVX2 by
   the build machine); ``isa="avx2"`` builds the AVX2 path on an AVX-512 machine too
   (-mno-avx512f), so both are tested here.
-* ``"gemm"`` (more rows: prefill): kiln's prefill GEMM (``kiln.kernels.cpu.packed_gemm``)
-  decodes 2 W output channels of blocks at a time into a cache-resident float tile
-  (transposed in registers) and multiplies it with a register-blocked micro-kernel. On a
-  1536 x 576 layer (AMD EPYC Zen 4, AVX-512, 1 thread) the decode kernel took 0.86-1.11x
-  its time at 16 rows, 1.0-1.3x at 24 and 1.2-2.2x from 128 rows up; ``"tiles"`` 1.2-1.5x
-  at every row count from 16 to 512.
+* ``"gemm"`` / ``"gemm-int8"`` (more rows: prefill): kiln's prefill GEMMs
+  (``kiln.kernels.cpu.packed_gemm``). In fp32 (``"gemm"``), 2 W output channels of blocks
+  are decoded at a time into a cache-resident float tile (transposed in registers) and
+  multiplied with a register-blocked micro-kernel. On a 1536 x 576 layer (AMD EPYC Zen 4,
+  AVX-512, 1 thread) the decode kernel took 0.86-1.11x its time at 16 rows, 1.0-1.3x at 24
+  and 1.2-2.2x from 128 rows up; ``"tiles"`` 1.2-1.5x at every row count from 16 to 512.
+  With ``activations="int8"`` (``"gemm-int8"``, ``gguf_qgemm.h``) the tile holds the
+  blocks' codes as bytes and the rows are 8-bit blocks, multiplied by integer dot products
+  (VNNI, else maddubs): the decode kernels' arithmetic, 2.0-2.8x the fp32 GEMM's speed on
+  SmolLM2's layer shapes at 512 rows (same machine, 1 thread, VNNI).
 * ``"tiles"``: ``TILE_ROWS`` output rows at a time are dequantized (by the C++ decoder) and
   multiplied with ``F.linear``, so the float weight is never whole: the fallback for many
   rows when the GEMM cannot be built.
@@ -199,8 +203,7 @@ def tiled_linear(
 class GgufKernel:
     """A prepared GGUF weight: float32 (..., K) -> (..., N) on the CPU; the C++ decode
     kernel of ``activations`` (module doc) for M <= ``max_rows`` rows, the prefill GEMM
-    above (fp32; ``tiled_linear`` with the C++ decoder where the GEMM cannot be built, with
-    a warning)."""
+    above (in ``activations``; ``tiled_linear`` with the C++ decoder where the GEMM cannot be built, with a warning)."""
 
     def __init__(
         self, blocks: Tensor, ggml_type: int, k: int, max_rows: int = KILN_MAX_ROWS,
@@ -216,7 +219,7 @@ class GgufKernel:
         self._mm = self._ext.qmm if activations == "int8" else self._ext.mm
         self._gemm: packed_gemm.GgufGemm | None = None
         try:
-            self._gemm = packed_gemm.GgufGemm(self._blocks, ggml_type, k)
+            self._gemm = packed_gemm.GgufGemm(self._blocks, ggml_type, k, activations=activations)
         except (native.KilnCompileError, RuntimeError, OSError) as err:
             warnings.warn(
                 f"kiln's prefill GEMM is unavailable ({err}); dequantizing tiles for many rows",
@@ -228,7 +231,9 @@ class GgufKernel:
         """The path serving an input of ``rows`` rows."""
         if rows <= self.max_rows:
             return "kiln"
-        return "tiles" if self._gemm is None else "gemm"
+        if self._gemm is None:
+            return "tiles"
+        return "gemm-int8" if self._gemm.activations == "int8" else "gemm"
 
     def _dequant(self, rows: Tensor) -> Tensor:
         out = torch.empty(rows.shape[0], self.in_features)

@@ -125,20 +125,34 @@ struct QBuffer {
   std::vector<float> d, ds;
   std::vector<int32_t> hs;
 
-  // Quantizes x (M, K) row-major (K a multiple of 32) and returns the view of the blocks.
-  QActs quantize(const float* x, int64_t M, int64_t K) {
+  // Sizes the buffer for M rows of K (a multiple of 32) and returns the view of the blocks
+  // quantize_rows fills.
+  QActs reserve(int64_t M, int64_t K) {
     const int64_t nb = K / kQBlock, n = M * nb;
     q.resize(static_cast<size_t>(n * kQBlock));
     d.resize(static_cast<size_t>(n));
     ds.resize(static_cast<size_t>(n));
     hs.resize(static_cast<size_t>(n * 8));
-    for (int64_t r = 0; r < M; ++r)
+    return QActs{q.data(), d.data(), ds.data(), hs.data(), nb};
+  }
+
+  // Quantizes rows [r0, r1) of x (M, K) row-major into the reserved buffer (threads may
+  // fill disjoint ranges).
+  void quantize_rows(const float* x, int64_t r0, int64_t r1, int64_t K) {
+    const int64_t nb = K / kQBlock;
+    for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t i = r * nb + b;
         quantize_block(x + r * K + b * kQBlock, q.data() + i * kQBlock, d[i], ds[i],
                        hs.data() + i * 8);
       }
-    return QActs{q.data(), d.data(), ds.data(), hs.data(), nb};
+  }
+
+  // Quantizes x (M, K) row-major (K a multiple of 32) and returns the view of the blocks.
+  QActs quantize(const float* x, int64_t M, int64_t K) {
+    const QActs view = reserve(M, K);
+    quantize_rows(x, 0, M, K);
+    return view;
   }
 };
 

@@ -71,7 +71,7 @@ KV_INLINE I8 half_bytes(I8 v, bool hi) {
   return _mm256_and_si256(hi ? _mm256_srli_epi16(v, 4) : v, bytes(15));
 }
 
-// Each format: kElems / kBytes per block; kShift: log2 of the offset subtracted from the
+// Each format: kElems / kBytes per block; kBits: bits per code; kShift: log2 of the offset subtracted from the
 // codes (-1: none); kSigned: codes are signed values (Q8_0); kMins: a min term per block;
 // Pre: what prepare() decodes once per block and row (scales); codes(block, pre, g) and
 // scale(pre, g) for the group g of 32 elements; min(pre): the min vector (see the top).
@@ -81,7 +81,7 @@ struct Base {
 };
 
 struct Q8_0 : Base {
-  static constexpr int kElems = 32, kBytes = 34;
+  static constexpr int kElems = 32, kBytes = 34, kBits = 8;
   static constexpr bool kSigned = true;
   struct Pre { F8 d; };
   static KV_INLINE Pre prepare(const uint8_t* b) { return {half_splat(b)}; }
@@ -90,7 +90,7 @@ struct Q8_0 : Base {
 };
 
 struct Q4_0 : Base {
-  static constexpr int kElems = 32, kBytes = 18, kShift = 3;
+  static constexpr int kElems = 32, kBytes = 18, kShift = 3, kBits = 4;
   struct Pre { F8 d; };
   static KV_INLINE Pre prepare(const uint8_t* b) { return {half_splat(b)}; }
   static KV_INLINE I8 codes(const uint8_t* b, const Pre&, int) { return nibbles32(b + 2); }
@@ -98,7 +98,7 @@ struct Q4_0 : Base {
 };
 
 struct Q5_0 : Base {
-  static constexpr int kElems = 32, kBytes = 22, kShift = 4;
+  static constexpr int kElems = 32, kBytes = 22, kShift = 4, kBits = 5;
   struct Pre { F8 d; };
   static KV_INLINE Pre prepare(const uint8_t* b) { return {half_splat(b)}; }
   static KV_INLINE I8 codes(const uint8_t* b, const Pre&, int) {
@@ -108,7 +108,7 @@ struct Q5_0 : Base {
 };
 
 struct Q4_1 : Base {
-  static constexpr int kElems = 32, kBytes = 20;
+  static constexpr int kElems = 32, kBytes = 20, kBits = 4;
   static constexpr bool kMins = true;
   struct Pre { F8 d, m; };
   static KV_INLINE Pre prepare(const uint8_t* b) { return {half_splat(b), half_lane0(b + 2)}; }
@@ -118,7 +118,7 @@ struct Q4_1 : Base {
 };
 
 struct Q5_1 : Q4_1 {
-  static constexpr int kBytes = 24;
+  static constexpr int kBytes = 24, kBits = 5;
   static KV_INLINE I8 codes(const uint8_t* b, const Pre&, int) {
     return _mm256_or_si256(nibbles32(b + 8), fifth_bits32(b + 4));
   }
@@ -148,7 +148,7 @@ KV_INLINE KPre k_prepare(const uint8_t* b) {
 }
 
 struct Q4_K : Base {
-  static constexpr int kElems = 256, kBytes = 144;
+  static constexpr int kElems = 256, kBytes = 144, kBits = 4;
   static constexpr bool kMins = true;
   using Pre = KPre;
   static KV_INLINE Pre prepare(const uint8_t* b) { return k_prepare(b); }
@@ -160,7 +160,7 @@ struct Q4_K : Base {
 };
 
 struct Q5_K : Q4_K {
-  static constexpr int kBytes = 176;
+  static constexpr int kBytes = 176, kBits = 5;
   static KV_INLINE I8 codes(const uint8_t* b, const Pre&, int g) {
     const I8 high = _mm256_slli_epi16(_mm256_srli_epi16(load_i8(b + 16), g), 4);  // bit g -> 4
     return _mm256_or_si256(half_bytes(load_i8(b + 48 + (g >> 1) * 32), g & 1),
@@ -170,7 +170,7 @@ struct Q5_K : Q4_K {
 
 // Q6_K: 16 int8 scales times d as two vectors; a group's lanes 0-3 take scale 2g, 4-7 2g + 1.
 struct Q6_K : Base {
-  static constexpr int kElems = 256, kBytes = 210, kShift = 5;
+  static constexpr int kElems = 256, kBytes = 210, kShift = 5, kBits = 6;
   struct Pre { F8 lo, hi; };
   static KV_INLINE Pre prepare(const uint8_t* b) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));

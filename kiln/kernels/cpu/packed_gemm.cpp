@@ -1,13 +1,14 @@
 // packed_gemm.cpp — the CPython module of kiln's prefill GEMMs on packed weights
 // (kiln_packed_gemm_ext). The kernels are in packed_gemm.h; this file parses the arguments
 // (plain integers: data pointers and sizes, checked by packed_gemm.py) and runs them without
-// the GIL. Built with plain g++ like woq.cpp; a build for another ISA than the machine's
+// the GIL. gguf_qgemm.h adds the GGUF GEMM with 8-bit activations. Built with plain g++ like woq.cpp; a build for another ISA than the machine's
 // widest (AVX2 on an AVX-512 CPU) is its own module, KILN_PG_EXT (-D), as gguf_blocks.cpp.
 #include <Python.h>
 
 #include <cstdint>
 #include <new>
 
+#include "gguf_qgemm.h"
 #include "kiln_py.h"
 #include "packed_gemm.h"
 
@@ -59,6 +60,23 @@ PyObject* py_gguf(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   });
 }
 
+// gguf_q8(type, x, M, K, N, w, y, block_rows): the same with x quantized to 8-bit blocks
+// (gguf_qgemm.h)
+PyObject* py_gguf_q8(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  int64_t v[8];
+  if (!read_ints(args, nargs, 8, v, "gguf_q8")) return nullptr;
+  int64_t elems, bytes;
+  if (!kgguf::block_shape(static_cast<int>(v[0]), elems, bytes)) {
+    PyErr_Format(PyExc_ValueError, "ggml type %lld has no kiln block kernel",
+                 static_cast<long long>(v[0]));
+    return nullptr;
+  }
+  return run_released([&] {
+    kpg::q8::gguf(static_cast<int>(v[0]), reinterpret_cast<const uint8_t*>(v[5]), fptr(v[1]),
+                  v[2], v[3], v[4], out_ptr(v[6]), v[7]);
+  });
+}
+
 // block_shape(type): (elements, bytes) per block of the ggml type, or None
 PyObject* py_block_shape(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   int64_t v[1];
@@ -77,6 +95,8 @@ PyMethodDef kMethods[] = {
      "int8(x, M, K, N, w, scale, y, block_rows): y = x @ dequant(w).T (pointers)"},
     {"gguf", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_gguf)), METH_FASTCALL,
      "gguf(type, x, M, K, N, w, y, block_rows): y = x @ dequant(w).T (pointers)"},
+    {"gguf_q8", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_gguf_q8)),
+     METH_FASTCALL, "gguf_q8(type, x, M, K, N, w, y, block_rows): y = q8(x) @ dequant(w).T"},
     {"block_shape", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(py_block_shape)),
      METH_FASTCALL, "block_shape(type): (elements, bytes) per block, or None"},
     {"lanes", py_lanes, METH_NOARGS, "float lanes per vector (16: AVX-512, 8: AVX2)"},

@@ -11,7 +11,11 @@ AVX2), in fp32, parallel over tiles on torch's OpenMP pool (see the header for t
 It reads kiln's INT4 (group-wise asymmetric: also what a GGUF's Q4_0 / Q4_1 load into) and
 INT8 weights in the decode kernels' panels (``kiln.kernels.cpu.panels``: the one shared
 copy, no new memory) and a GGUF tensor's blocks as stored (every type of
-``gguf_blocks.BLOCKS``).
+``gguf_blocks.BLOCKS``). For GGUF blocks there is also the 8-bit-activation GEMM
+(``gguf_qgemm.h``, ``GgufGemm(activations="int8")``): the tile holds the blocks' codes as
+bytes and x is quantized to 8-bit blocks once per call, multiplied by integer dot products
+(AVX-512 VNNI ``vpdpbusd``: 64 multiply-adds per instruction against the fp32 kernel's 16;
+``vpmaddubsw`` + ``vpmaddwd`` without VNNI).
 
 Which kernel serves which rows is measured (``python -m kiln.bench.prefill --kernels``;
 AMD EPYC Zen 4, AVX-512, SmolLM2's layer shapes, 1 thread; figures in ``woq.py`` and
@@ -43,6 +47,9 @@ SOURCES = (
     HERE / "packed_gemm.cpp",
     KERNEL_HEADER,
     HERE / "gguf_blocks.h",  # the GGUF block decoders
+    HERE / "gguf_qgemm.h",  # the GGUF GEMM with 8-bit activations, and its headers
+    HERE / "gguf_q8.h",
+    HERE / "gguf_qdot.h",
     native.INCLUDE / "kiln_py.h",
     *(native.INCLUDE / n for n in ("kiln_vec.h", "kiln_vec_pow.h", "kiln_vec_trig.h")),
 )
@@ -136,10 +143,12 @@ class Int8Gemm(PackedGemm):
 
 class GgufGemm(PackedGemm):
     """A GGUF tensor's blocks as stored (uint8 (N, K / elems * bytes), ggml type: those of
-    ``gguf_blocks.BLOCKS``)."""
+    ``gguf_blocks.BLOCKS``). ``activations="int8"`` quantizes x to 8-bit blocks and
+    multiplies by integer dot products (``gguf_qgemm.h``: the decode kernels' arithmetic);
+    ``"fp32"`` (the default here) is exact."""
 
     def __init__(self, blocks: Tensor, ggml_type: int, k: int, isa: str | None = None,
-                 block_rows: int = 0) -> None:  # fmt: skip
+                 block_rows: int = 0, activations: str = "fp32") -> None:  # fmt: skip
         super().__init__(isa, block_rows)
         shape = self._ext.block_shape(ggml_type)  # (elements, bytes) per block, or None
         if shape is None:
@@ -152,9 +161,13 @@ class GgufGemm(PackedGemm):
                              f"{tuple(blocks.shape)}")  # fmt: skip
         if not blocks.is_cpu:
             raise ValueError(f"the blocks must be on the CPU, got {blocks.device}")
+        if activations not in ("int8", "fp32"):
+            raise ValueError(f"activations must be 'int8' or 'fp32', got {activations!r}")
         self.out_features, self.in_features, self.ggml_type = int(blocks.shape[0]), k, ggml_type
         self._blocks = blocks.contiguous()
+        self.activations = activations
+        self._mm = self._ext.gguf_q8 if activations == "int8" else self._ext.gguf
 
     def _run(self, x: Tensor, m: int, y: Tensor) -> None:
-        self._ext.gguf(self.ggml_type, x.data_ptr(), m, self.in_features, self.out_features,
-                       self._blocks.data_ptr(), y.data_ptr(), self.block_rows)  # fmt: skip
+        self._mm(self.ggml_type, x.data_ptr(), m, self.in_features, self.out_features,
+                 self._blocks.data_ptr(), y.data_ptr(), self.block_rows)  # fmt: skip

@@ -20,7 +20,7 @@ from kiln.core import native
 from kiln.kernels.cpu import gguf_blocks as gb
 from kiln.kernels.cpu import packed_gemm as pg
 from tests.support.compare import assert_close_to_reference
-from tests.support.gguf_quants import quantize, random_blocks
+from tests.support.gguf_quants import q8_activations, q8_reference, quantize, random_blocks
 from tests.support.native import quoted_includes
 
 Q = gguf.GGMLQuantizationType
@@ -43,28 +43,6 @@ def _k(kind: Q) -> int:
     return 512 if gguf.GGML_QUANT_SIZES[kind][0] == 256 else 96  # 2 super-blocks / 3 blocks
 
 
-def _quantize(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The activations' 8-bit blocks, written from their definition: per block of 32,
-    d = max|x| / 127 and q = round_half_even(x * (1 / d)) in float32 (d = 0: q = 0).
-    x (M, K) float32 -> q int8 (M, K), d float32 (M, K / 32)."""
-    blocks = x.reshape(x.shape[0], -1, 32)
-    d = np.abs(blocks).max(axis=-1) / np.float32(127)
-    inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d > 0)
-    q = np.rint(blocks * inv[..., None]).astype(np.int8)
-    return q.reshape(x.shape), d
-
-
-def _q8_reference(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(y, bound): x quantized by ``_quantize``, multiplied with the weights' values w (N,
-    K) in float64 (exact for these integers and fp16-derived values up to float64
-    rounding); bound: the most the exact product x @ w.T can differ from it, sum |w| d / 2
-    per output (each activation moved by at most half its block's step)."""
-    q, d = _quantize(x)
-    dx = np.repeat(d.astype(np.float64), 32, axis=1)  # (M, K)
-    y = (q.astype(np.float64) * dx) @ w.astype(np.float64).T
-    return y, (dx / 2) @ np.abs(w.astype(np.float64)).T
-
-
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", TYPES, ids=lambda t: t.name)
 def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
@@ -81,7 +59,7 @@ def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
         exact = F.linear(x, w)
         got = gb.gguf_matmul(x, blocks, int(kind), isa, activations="fp32")
         assert_close_to_reference(got, exact, rtol_to_max=RTOL)
-        want, bound = _q8_reference(x.numpy(), w.numpy())
+        want, bound = q8_reference(x.numpy(), w.numpy())
         got = gb.gguf_matmul(x, blocks, int(kind), isa, activations="int8")
         assert_close_to_reference(got.double(), torch.from_numpy(want), rtol_to_max=RTOL_Q8)
         slack = RTOL_Q8 * float(np.abs(want).max())
@@ -91,7 +69,7 @@ def test_kernel_matches_reference_on_random_blocks(kind: Q, isa: str) -> None:
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_activation_blocks_follow_their_definition(isa: str) -> None:
-    """The C++ quantizer gives ``_quantize``'s int8 values and scales to the bit: random
+    """The C++ quantizer gives ``q8_activations``' int8 values and scales to the bit: random
     rows, values at the half steps (ties round to even), an all-zero block, a block whose
     max is negative; a block holding inf or NaN gets a NaN scale, so its row's outputs are
     NaN (as the exact path's), the other rows untouched."""
@@ -101,7 +79,7 @@ def test_activation_blocks_follow_their_definition(isa: str) -> None:
     x[2, 32:64] = 0.0
     x[3, 64:96] = -x[3, 64:96].abs()
     q, d = gb.quantize_activations(x, isa)
-    want_q, want_d = _quantize(x.numpy())
+    want_q, want_d = q8_activations(x.numpy())
     assert np.array_equal(q.numpy(), want_q) and np.array_equal(d.numpy(), want_d)
     assert int(q[2, 32:64].abs().sum()) == 0 and float(d[2, 1]) == 0.0
     raw = torch.from_numpy(random_blocks(Q.Q4_K, 8, 256))
@@ -142,7 +120,7 @@ def test_kernel_on_quantized_weights(kind: Q, activations: str) -> None:
     if activations == "fp32":
         assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)
     else:
-        want = torch.from_numpy(_q8_reference(x.numpy(), w.numpy())[0])
+        want = torch.from_numpy(q8_reference(x.numpy(), w.numpy())[0])
         assert_close_to_reference(one.double(), want, rtol_to_max=RTOL_Q8)
 
 
@@ -172,9 +150,9 @@ def test_kernel_dispatch_by_rows(monkeypatch: pytest.MonkeyPatch, gemm: bool) ->
         assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
 
 
-def test_default_kernel_quantizes_decode_rows_only() -> None:
+def test_default_kernel_quantizes_every_row() -> None:
     """``GgufKernel``'s default: the 8-bit kernel up to KILN_MAX_ROWS rows (the same bits as
-    ``gguf_matmul``'s), the fp32 prefill GEMM above."""
+    ``gguf_matmul``'s), then the 8-bit prefill GEMM."""
     kind, n, k = Q.Q5_0, 40, 256
     raw = random_blocks(kind, n, k)
     w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
@@ -183,7 +161,9 @@ def test_default_kernel_quantizes_decode_rows_only() -> None:
     x = torch.randn(gb.KILN_MAX_ROWS + 1, k)
     few = x[: gb.KILN_MAX_ROWS]
     assert torch.equal(kernel(few), gb.gguf_matmul(few, blocks, int(kind)))
-    assert_close_to_reference(kernel(x), F.linear(x, w), rtol_to_max=RTOL)
+    assert kernel.backend(len(x)) == "gemm-int8"
+    want = torch.from_numpy(q8_reference(x.numpy(), w.numpy())[0])
+    assert_close_to_reference(kernel(x).double(), want, rtol_to_max=RTOL_Q8)
 
 
 def test_without_a_compiler_the_reference_serves(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,7 +16,8 @@ from kiln.core.compare import compare
 from kiln.kernels.cpu import gguf_blocks as gb
 from kiln.kernels.cpu import packed_gemm as pg
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
-from tests.support.gguf_quants import random_blocks
+from tests.support.compare import assert_close_to_reference
+from tests.support.gguf_quants import q8_reference, random_blocks
 
 Q = gguf.GGMLQuantizationType
 ISAS = ["avx512", "avx2"] if native.isa() == "avx512" else ["avx2"]
@@ -24,6 +25,9 @@ RTOL = 2e-5  # another summation order than MKL's: a few fp32 ulps of the larges
 # One row, a partial micro-kernel, a whole one (6 / 12) plus change, more than a block of
 # rows on both ISAs (96 / 192 rows).
 ROWS = (1, 7, 29, 197)
+# The 8-bit GEMM against the float64 product of the same int8 activations: its fp32 sums
+# of exact per-block integer dots (measured <= 3e-7 of the largest output).
+RTOL_Q8 = 2e-6
 GGUF_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K]
 
 
@@ -77,6 +81,43 @@ def test_gguf_matches_dequantized_weight(isa: str, kind: Q) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", GGUF_TYPES, ids=lambda t: t.name)
+def test_gguf_int8_matches_the_8bit_reference(isa: str, kind: Q) -> None:
+    """activations="int8": x quantized to 8-bit blocks, integer dots (VNNI, or maddubs:
+    Q8_0's signed codes through the sign trick) against the codes, the offsets / mins /
+    sub-block scales of every type; ragged N over two tiles and a partial one, M across
+    partial micro-kernels and blocks of rows."""
+    k = 512 if gguf.GGML_QUANT_SIZES[kind][0] == 256 else 96
+    raw = torch.from_numpy(random_blocks(kind, 70, k, seed=int(kind)))
+    kernel = pg.GgufGemm(raw, int(kind), k, isa=isa, activations="int8")
+    assert kernel.activations == "int8"
+    w = gb.reference_dequantize(raw, int(kind), k)
+    for m in ROWS:
+        x = torch.randn(m, k) * torch.rand(m, 1) * 4  # rows of different scales
+        want = torch.from_numpy(q8_reference(x.numpy(), w.numpy())[0])
+        assert_close_to_reference(kernel(x).double(), want, rtol_to_max=RTOL_Q8)
+
+
+def test_gguf_int8_agrees_with_the_decode_kernels_and_thread_counts() -> None:
+    """The prefill GEMM and the decode kernels compute one arithmetic (fp32 rounding apart);
+    one thread and two give the same bits."""
+    raw = torch.from_numpy(random_blocks(Q.Q4_0, 576, 576, seed=5))
+    kernel = pg.GgufGemm(raw, int(Q.Q4_0), 576, activations="int8")
+    x = torch.randn(40, 576)
+    decode = gb.gguf_matmul(x, raw, int(Q.Q4_0), activations="int8")
+    assert_close_to_reference(kernel(x), decode, rtol_to_max=RTOL_Q8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(x)
+        torch.set_num_threads(max(2, before))
+        many = kernel(x)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, many)
+
+
+@pytest.mark.parametrize("isa", ISAS)
 def test_wide_k_runs_in_passes_and_leading_dims_are_kept(isa: str) -> None:
     """K = 2560 > kBlockK (2048): the second pass continues the sum from y."""
     packed, scale, offset = _int4(40, 2560, 32)
@@ -107,6 +148,8 @@ def test_arguments_are_checked() -> None:
         pg.GgufGemm(raw, 1, 64)  # F16: not a block type
     with pytest.raises(ValueError, match=r"\(N, K / 32 \* 34\)"):
         pg.GgufGemm(raw[:, :34], int(Q.Q8_0), 64)
+    with pytest.raises(ValueError, match="activations"):
+        pg.GgufGemm(raw, int(Q.Q8_0), 64, activations="int4")
     packed, scale, offset = _int4(8, 64, 32)
     kernel = pg.Int4Gemm(packed, scale, offset, 32)
     with pytest.raises(ValueError, match="float32 CPU tensor"):
