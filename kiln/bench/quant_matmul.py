@@ -8,13 +8,18 @@ o, gate, up, down; K x N = 576x576, 576x192, 576x192, 576x576, 576x1536, 576x153
 1536x576), every layer with its own weights (~425 MB fp32), run in sequence. Between
 timed steps a 64 MB buffer is read to evict the last-level cache (a real decode step also
 streams the embedding / LM head), so the weights come from DRAM. One warm-up step, then the
-median over ``--reps`` steps; each linear call is also timed inside the step and summed by
-shape class (the class figures are medians of those sums).
+median over ``--reps`` rounds. Rounds are interleaved: every (format, rows) pair runs one
+step per round, in an order rotated by one each round, all formats' weights built before the
+first (run one after another, the formats met the machine in different states: fp32 at 4
+rows once measured slower than at 8). Each linear call is also timed inside the step and
+summed by shape class (the class figures are medians of those sums).
 
 Formats: fp32 ``F.linear``; INT8 per channel and INT4 groups of 32/64/128 through
 ``kiln.kernels.registry`` (backend "auto", recorded; K = 576 is not a multiple of 128, so
 "int4-g128" uses groups of 128 for the down projection only and 64 elsewhere); with ``--torch`` also torch's packed kernels
-(``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``, g32) for comparison.
+(``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``, g32) for comparison;
+GGUF Q8_0 / Q4_0 / Q5_0 blocks (the 32-element types: K = 576 is no multiple of the
+K-quants' 256) through ``GgufKernel`` with its default 8-bit activations.
 Weights are random codes (speed does not depend on values). Reported: per (rows, format)
 the step and per-class times and the speed-up over fp32 (fp32 time / format time). The
 thread count is torch's (``--threads`` to set it); on a shared machine co-tenants add noise.
@@ -35,6 +40,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from kiln.bench.system import cpu_info, load_snapshot, versions
+from kiln.kernels.cpu.gguf_blocks import BLOCKS, TYPE_IDS, GgufKernel
 from kiln.kernels.cpu.woq import Backend, CpuWeightOnlyKernel, cpu_int4_kernel, cpu_int8_kernel
 
 LAYERS = 30
@@ -48,7 +54,8 @@ LINEARS = (
     ("up", "gate/up 576x1536", 1536, 576),
     ("down", "down 1536x576", 576, 1536),
 )
-FORMATS = ("fp32", "int8", "int4-g32", "int4-g64", "int4-g128")
+FORMATS = ("fp32", "int8", "int4-g32", "int4-g64", "int4-g128", "gguf-q8_0", "gguf-q4_0",
+           "gguf-q5_0")  # fmt: skip
 TORCH_FORMATS = ("int8-torch", "int4-g32-torch")
 Linear = Callable[[Tensor], Tensor]
 
@@ -58,6 +65,12 @@ def _make_linear(fmt: str, n: int, k: int, gen: torch.Generator) -> Linear:
     if fmt == "fp32":
         w = torch.randn(n, k, generator=gen)
         return lambda x: F.linear(x, w)
+    if fmt.startswith("gguf-"):  # random blocks of the type, its default (int8) arithmetic
+        t = TYPE_IDS[fmt.removeprefix("gguf-").upper()]
+        elems, nbytes = BLOCKS[t][1:]
+        raw = torch.randint(0, 256, (n * k // elems, nbytes), dtype=torch.uint8, generator=gen)
+        raw[:, :2] = torch.tensor([0x66, 0x1E], dtype=torch.uint8)  # d = fp16 0.0062
+        return GgufKernel(raw.reshape(n, -1), t, k)
     backend: Backend = "torch" if fmt.endswith("-torch") else "auto"
     kern: CpuWeightOnlyKernel
     if fmt.startswith("int8"):
@@ -79,49 +92,59 @@ def _group_size(fmt: str, k: int) -> int:
 
 
 def _backend(fn: Linear, rows: int) -> str:
-    return fn.backend(rows) if isinstance(fn, CpuWeightOnlyKernel) else "torch F.linear"
+    if isinstance(fn, (CpuWeightOnlyKernel, GgufKernel)):
+        return fn.backend(rows)
+    return "torch F.linear"
 
 
-def _time_step(
-    step: list[tuple[str, Linear, Tensor]], reps: int, flush: Tensor
+def _one_step(
+    step: list[tuple[str, Linear, Tensor]], flush: Tensor
 ) -> tuple[float, dict[str, float]]:
-    """Median step time (ms) and median per-class time (ms) over ``reps`` steps."""
-    totals: list[float] = []
-    per_class: dict[str, list[float]] = {}
-    for rep in range(reps + 1):  # rep 0 is the warm-up
-        flush.sum()  # evict the last-level cache
-        sums: dict[str, float] = dict.fromkeys((c for c, _, _ in step), 0.0)
-        t_step = time.perf_counter()
-        for cls, fn, x in step:
-            t0 = time.perf_counter()
-            fn(x)
-            sums[cls] += time.perf_counter() - t0
-        elapsed = time.perf_counter() - t_step
-        if rep:
-            totals.append(elapsed * 1e3)
-            for c, s in sums.items():
-                per_class.setdefault(c, []).append(s * 1e3)
-    return statistics.median(totals), {c: statistics.median(v) for c, v in per_class.items()}
+    """One decode step's linears after a cache flush: (step ms, ms per shape class)."""
+    flush.sum()  # evict the last-level cache
+    sums: dict[str, float] = dict.fromkeys((c for c, _, _ in step), 0.0)
+    t_step = time.perf_counter()
+    for cls, fn, x in step:
+        t0 = time.perf_counter()
+        fn(x)
+        sums[cls] += time.perf_counter() - t0
+    elapsed = time.perf_counter() - t_step
+    return elapsed * 1e3, {c: v * 1e3 for c, v in sums.items()}
 
 
-def run(rows: list[int], formats: list[str], reps: int) -> list[dict[str, Any]]:
-    """Time every format at every row count; one result dict per (format, rows)."""
+def run(
+    rows: list[int], formats: list[str], reps: int, layers: int = LAYERS
+) -> list[dict[str, Any]]:
+    """Time every format at every row count, interleaved: all formats' weights are built
+    first, then each round times one step of every (format, rows) pair, in an order
+    rotated by one per round (so no pair always runs first or after the same neighbour);
+    round 0 is the warm-up. One result dict per (format, rows): medians over ``reps``."""
     flush = torch.ones(16 * 2**20)  # 64 MB
+    gen = torch.Generator().manual_seed(0)
+    built = {fmt: [(c, _make_linear(fmt, n, k, gen), k) for _ in range(layers)
+                   for _, c, n, k in LINEARS] for fmt in formats}  # fmt: skip
+    xs = {m: {k: torch.randn(m, k, generator=gen) for _, _, _, k in LINEARS} for m in rows}
+    pairs = [(fmt, m) for m in rows for fmt in formats]
+    steps: dict[tuple[str, int], list[float]] = {pair: [] for pair in pairs}
+    classes: dict[tuple[str, int], dict[str, list[float]]] = {pair: {} for pair in pairs}
+    for rnd in range(reps + 1):
+        turn = rnd % len(pairs)
+        for fmt, m in pairs[turn:] + pairs[:turn]:
+            step_ms, class_ms = _one_step([(c, fn, xs[m][k]) for c, fn, k in built[fmt]], flush)
+            if rnd:
+                steps[fmt, m].append(step_ms)
+                for c, v in class_ms.items():
+                    classes[fmt, m].setdefault(c, []).append(v)
     results: list[dict[str, Any]] = []
-    for fmt in formats:
-        gen = torch.Generator().manual_seed(0)
-        built = [(c, _make_linear(fmt, n, k, gen), k) for _ in range(LAYERS)
-                 for _, c, n, k in LINEARS]  # fmt: skip
-        for m in rows:
-            xs = {k: torch.randn(m, k, generator=gen) for k in {k for *_, k in built}}
-            step = [(c, fn, xs[k]) for c, fn, k in built]
-            names = sorted({_backend(fn, m) for _, fn, _ in built})
-            step_ms, classes = _time_step(step, reps, flush)
-            results.append({"format": fmt, "rows": m, "backend": ",".join(names),
-                            "step_ms": round(step_ms, 3),
-                            "class_ms": {c: round(v, 3) for c, v in classes.items()}})  # fmt: skip
-            print(f"  {fmt:>15} M={m}: step {step_ms:8.2f} ms  ({results[-1]['backend']})")
-        del built
+    for fmt, m in pairs:
+        names = sorted({_backend(fn, m) for _, fn, _ in built[fmt]})
+        results.append({"format": fmt, "rows": m, "backend": ",".join(names),
+                        "step_ms": round(statistics.median(steps[fmt, m]), 3),
+                        "class_ms": {c: round(statistics.median(v), 3)
+                                     for c, v in classes[fmt, m].items()}})  # fmt: skip
+        print(
+            f"  {fmt:>15} M={m}: step {results[-1]['step_ms']:8.2f} ms  ({results[-1]['backend']})"
+        )
     return results
 
 
@@ -160,7 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m kiln.bench.quant_matmul", description=__doc__)
     p.add_argument("--out", required=True, help="result JSON path")
     p.add_argument("--rows", default="1,4,8", help="comma list of activation rows M")
-    p.add_argument("--reps", type=int, default=7, help="timed steps per (format, rows)")
+    p.add_argument("--reps", type=int, default=7, help="rounds: timed steps per (format, rows)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--torch", action="store_true", help="also time torch's packed kernels")
     args = p.parse_args(argv)
