@@ -285,8 +285,8 @@ class FastDecoder:
         """tokens (B, T) at positions start.. -> logits, filling this decoder's cache: by
         ``extend`` steps of up to ``max_chunk`` rows when B x T <= ``STEP_PREFILL_MAX``
         (logits (B, T, V)), else by the eager model (the last position's (B, 1, V) only),
-        whose 16-bit linear layers then multiply in fp32 (``upcast``: 3x faster than bf16
-        matmuls on a CPU without bf16 instructions)."""
+        whose 16-bit linear layers then multiply in fp32 on a CPU without 16-bit dot-product
+        instructions (``upcast``: 3x faster than torch's bf16 matmuls there)."""
         if tokens.dim() != 2 or tokens.shape[0] != self.batch:
             raise ValueError(f"tokens must be ({self.batch}, T), got {tuple(tokens.shape)}")
         n, c = tokens.shape[1], max(1, self.max_chunk // self.batch)  # positions a call
