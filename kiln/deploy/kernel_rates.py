@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -88,6 +88,19 @@ def fit(narrow: tuple[int, float, float], wide: tuple[int, float, float]) -> Cos
     if layer_s < 0 or per_unit <= 0:
         layer_s, per_unit = 0.0, (t1 + t2) / (a1 + a2)
     return Cost(1 / per_unit / 1e9, layer_s)
+
+
+def fit_at_rate(points: Sequence[tuple[int, float, float]], rate: float) -> Cost:
+    """``t = layers x layer_s + amount / rate`` through (layers, amount, seconds) timings
+    with the rate known (per second, as ``Cost.rate``): the least-squares fixed cost per
+    block, at least 0. Two shapes pin a rate and a fixed cost only as well as their timings
+    agree; when the fixed cost dominates both (ranks exchanging messages every block) a few
+    percent of noise moves the fitted rate by tens of percent, and the model it prices
+    streams far more bytes per block than the shapes did."""
+    per_unit = 1 / (rate * 1e9)
+    num = sum(layers * (t - amount * per_unit) for layers, amount, t in points)
+    den = sum(layers * layers for layers, _, _ in points)
+    return Cost(rate, max(0.0, num / den))
 
 
 def _model(cfg: ModelConfig, fmt: str) -> Transformer:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ from kiln.deploy.kernel_rates import (
     Timings,
     decoder_prefill_seconds,
     fit,
+    fit_at_rate,
     matmul_params,
     prefill_flops,
     prefill_shape,
@@ -105,11 +106,17 @@ def measure_layouts(
     note: Callable[[str], None] = lambda _: None,
     shapes: Shapes = SHAPES,
     rounds: int = 2,
+    one_process: Mapping[str, Mapping[int, Cost]] | None = None,
 ) -> dict[str, dict[int, Cost]]:
     """Every ``ranks``-rank layout's decode and prefill ``Cost`` per rows and format (a few
     minutes: one launch per layout and round, the layouts in turn; each point keeps its
     fastest round, as ``kernel_rates.measure_rates`` does), fitted through the two
-    ``shapes``."""
+    ``shapes``. With ``one_process`` (the one-process table at the ranks' thread count), a
+    layout's rate is that of the one-process eager module (``eager-<fmt>``: a rank streams
+    its shard as that module streams its weights) or prefill (``prefill-<fmt>``) at the same
+    rows, and only the fixed cost per block is fitted (``fit_at_rate``): the free two-point
+    fit of a layout dominated by its per-block messages moved its rate by 30% between two
+    calibrations, and a 28-layer model's prediction by as much."""
     from kiln.parallel.launch import launch
 
     params = {name: matmul_params(cfg) for name, cfg in shapes}
@@ -146,7 +153,12 @@ def measure_layouts(
                     engine = layout_engine(tp, pp, fmt, prefill=True)
                 runs.setdefault(engine, {}).setdefault(rows, []).append((layers, amount, seconds))
             for engine, by_rows in runs.items():
-                out[engine] = {rows: fit(*points) for rows, points in by_rows.items()}
+                base = f"{'prefill' if engine.startswith('prefill-') else 'eager'}-{fmt}"
+                known = (one_process or {}).get(base, {})
+                out[engine] = {
+                    rows: fit_at_rate(points, known[rows].rate) if rows in known else fit(*points)
+                    for rows, points in by_rows.items()
+                }
     return out
 
 

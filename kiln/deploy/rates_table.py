@@ -47,7 +47,7 @@ def load_rates(
     rates["gloo"] = {2: gloo}
     ranks = len(os.sched_getaffinity(0)) // threads  # the ranks that run at this thread count
     if ranks >= 2:
-        rates.update(measure_layouts(ranks, FORMATS, gloo, note))
+        rates.update(measure_layouts(ranks, FORMATS, gloo, note, one_process=rates))
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}

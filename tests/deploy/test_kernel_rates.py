@@ -13,6 +13,7 @@ from kiln.deploy.architecture import read_architecture
 from kiln.deploy.kernel_rates import (
     Cost,
     fit,
+    fit_at_rate,
     prefill_seconds,
     rate_at,
     step_seconds,
@@ -32,6 +33,18 @@ def test_fit_recovers_a_fixed_cost_per_block_and_a_rate() -> None:
     wide = (4, 500e6, true.seconds(500e6, 4))
     got = fit(narrow, wide)
     assert got.rate == pytest.approx(25.0) and got.layer_s == pytest.approx(40e-6)
+
+
+def test_fit_at_a_known_rate_solves_only_the_fixed_cost() -> None:
+    """t = layers x 2 ms + bytes / 20 GB/s, with noise on both points: the fixed cost comes
+    back within the noise, where the free fit's rate moves far more."""
+    points = [(24, 60e6, 24 * 2e-3 + 60e6 / 20e9), (4, 300e6, 4 * 2e-3 + 300e6 / 20e9)]
+    exact = fit_at_rate(points, 20.0)
+    assert exact.rate == 20.0 and exact.layer_s == pytest.approx(2e-3)
+    noisy = [(layers, amount, t * f) for (layers, amount, t), f in zip(points, (1.05, 0.95))]
+    assert fit_at_rate(noisy, 20.0).layer_s == pytest.approx(2e-3, rel=0.06)
+    assert abs(fit(*noisy).rate / 20.0 - 1) > 0.1  # the free fit: twice the noise in its rate
+    assert fit_at_rate([(4, 1e9, 1e-3)], 1.0).layer_s == 0.0  # faster than the rate: no fixed cost
 
 
 def test_fit_never_returns_a_negative_fixed_cost() -> None:
@@ -58,8 +71,12 @@ def test_rates_are_cached_per_machine_and_thread_count(
         calls.append(threads)
         return {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}}
 
-    def fake_layouts(ranks: int, formats: object, gloo: Cost, note: object) -> dict:
+    def fake_layouts(
+        ranks: int, formats: object, gloo: Cost, note: object, one_process: object
+    ) -> dict:
         calls.append(-ranks)
+        assert one_process == {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)},
+                               "gloo": {2: Cost(1.0, 5e-5)}}  # fmt: skip
         return {"tp2-pp1-fp32": {1: Cost(3.0, 1e-3)}}
 
     monkeypatch.setattr(rates_table, "measure_rates", fake)
@@ -100,10 +117,12 @@ TINY_SHAPES = (
 
 def test_layouts_of_two_ranks_are_timed_launched() -> None:
     assert layouts_of(2) == [(1, 2), (2, 1)] and layouts_of(4) == [(1, 4), (2, 2), (4, 1)]
-    got = measure_layouts(2, ("int8",), Cost(1.0, 1e-4), shapes=TINY_SHAPES)
+    one = {"eager-int8": {1: Cost(5.0, 0.0), 4: Cost(4.0, 0.0)}}  # no prefill-int8: free fit
+    got = measure_layouts(2, ("int8",), Cost(1.0, 1e-4), shapes=TINY_SHAPES, one_process=one)
     want = {layout_engine(tp, pp, "int8", prefill) for tp, pp in ((2, 1), (1, 2))
             for prefill in (False, True)}  # fmt: skip
     assert set(got) == want
+    assert {rows: c.rate for rows, c in got["tp2-pp1-int8"].items()} == {1: 5.0, 4: 4.0}
     for engine, by_rows in got.items():
         assert set(by_rows) == ({64, 256} if engine.startswith("prefill-") else {1, 4})
         assert all(c.rate > 0 and c.layer_s >= 0 for c in by_rows.values())
