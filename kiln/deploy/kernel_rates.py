@@ -50,7 +50,7 @@ from kiln.models.transformer import Transformer
 FORMATS = ("fp32", "bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
 DECODE_ROWS = (1, 4)
 PREFILL_ROWS = (64, 256)  # one 64-token prompt, and four
-VERSION = 3  # of the cached table's layout; an older file is measured again
+VERSION = 4  # of the cached table (layout, or how it is fitted); an older file is measured again
 
 # The two calibration shapes: many narrow blocks (SmolLM2's), a few wide ones (a 1.5B
 # model's), the same small vocabulary; both larger than the last-level cache in every format.
