@@ -34,9 +34,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <new>
 
 #include "gguf_blocks.h"
 #include "gguf_q8.h"
@@ -305,35 +303,25 @@ template <class F>
 void drive(const uint8_t* w, const float* xf, int64_t M, int64_t K, int64_t N, float* y,
            int64_t block_rows) {
   const int64_t tiles = (N + QNR - 1) / QNR;
-  const int64_t nt = threads_for(tiles, M * K * N / 4);  // ~4x the fp32 GEMM's rate
   const int64_t mb = block_rows > 0 ? block_rows : kQBlockRows;
   kgguf::QBuffer buffer;
   const QActs x = buffer.reserve(M, K);
-  bool failed = false;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
+  const auto quantize = [&] {
 #pragma omp for schedule(static)
     for (int64_t r = 0; r < M; ++r) buffer.quantize_rows(xf, r, r + 1, K);
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t first = tiles * t / n, last = tiles * (t + 1) / n;
-    const size_t bytes = (Tile::bytes(K) + 63) / 64 * 64;
-    void* base = std::aligned_alloc(64, bytes);
-    if (base == nullptr) {
-#pragma omp atomic write
-      failed = true;
-    } else {
-      const Tile tile = Tile::at(base, K);
-      for (int64_t r0 = 0; r0 < M; r0 += mb) {
-        const int64_t r1 = std::min(M, r0 + mb);
-        for (int64_t i = first; i < last; ++i) {
-          if (r0 == 0 || first + 1 != last) decode<F>(w, K, N, i * QNR, tile);  // one: kept
-          rows_tile<F>(x, K, N, tile, i * QNR, r0, r1, y);
-        }
+  };
+  const auto range = [&](int64_t first, int64_t last, void* base) {
+    const Tile tile = Tile::at(base, K);
+    for (int64_t r0 = 0; r0 < M; r0 += mb) {
+      const int64_t r1 = std::min(M, r0 + mb);
+      for (int64_t i = first; i < last; ++i) {
+        if (r0 == 0 || first + 1 != last) decode<F>(w, K, N, i * QNR, tile);  // one: kept
+        rows_tile<F>(x, K, N, tile, i * QNR, r0, r1, y);
       }
-      std::free(base);
     }
-  }
-  if (failed) throw std::bad_alloc();
+  };
+  // ~4x the fp32 GEMM's rate: a thread is worth waking for 4x the multiply-adds
+  for_tile_ranges(tiles, threads_for(tiles, M * K * N / 4), Tile::bytes(K), quantize, range);
 }
 
 // y = q8(x) @ W.T for the GGUF ggml type `type` (the caller has checked kgguf::block_shape).

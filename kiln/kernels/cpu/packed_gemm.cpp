@@ -44,10 +44,12 @@ PyObject* py_int8(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return run_released([&] { kpg::drive(dec, fptr(v[0]), v[1], v[2], v[3], out_ptr(v[6]), v[7]); });
 }
 
-// gguf(type, x, M, K, N, w, y, block_rows): w a GGUF tensor's blocks (N, row bytes)
-PyObject* py_gguf(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// The GGUF entry points' arguments (type, x, M, K, N, w, y, block_rows), the type checked,
+// then gemm(type, w, x, M, K, N, y, block_rows) without the GIL.
+template <class Gemm>
+PyObject* gguf_call(PyObject* const* args, Py_ssize_t nargs, const char* name, Gemm gemm) {
   int64_t v[8];
-  if (!read_ints(args, nargs, 8, v, "gguf")) return nullptr;
+  if (!read_ints(args, nargs, 8, v, name)) return nullptr;
   int64_t elems, bytes;
   if (!kgguf::block_shape(static_cast<int>(v[0]), elems, bytes)) {
     PyErr_Format(PyExc_ValueError, "ggml type %lld has no kiln block kernel",
@@ -55,26 +57,20 @@ PyObject* py_gguf(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     return nullptr;
   }
   return run_released([&] {
-    kpg::gguf(static_cast<int>(v[0]), reinterpret_cast<const uint8_t*>(v[5]), fptr(v[1]), v[2],
-              v[3], v[4], out_ptr(v[6]), v[7]);
+    gemm(static_cast<int>(v[0]), reinterpret_cast<const uint8_t*>(v[5]), fptr(v[1]), v[2], v[3],
+         v[4], out_ptr(v[6]), v[7]);
   });
+}
+
+// gguf(type, x, M, K, N, w, y, block_rows): w a GGUF tensor's blocks (N, row bytes)
+PyObject* py_gguf(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  return gguf_call(args, nargs, "gguf", kpg::gguf);
 }
 
 // gguf_q8(type, x, M, K, N, w, y, block_rows): the same with x quantized to 8-bit blocks
 // (gguf_qgemm.h)
 PyObject* py_gguf_q8(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  int64_t v[8];
-  if (!read_ints(args, nargs, 8, v, "gguf_q8")) return nullptr;
-  int64_t elems, bytes;
-  if (!kgguf::block_shape(static_cast<int>(v[0]), elems, bytes)) {
-    PyErr_Format(PyExc_ValueError, "ggml type %lld has no kiln block kernel",
-                 static_cast<long long>(v[0]));
-    return nullptr;
-  }
-  return run_released([&] {
-    kpg::q8::gguf(static_cast<int>(v[0]), reinterpret_cast<const uint8_t*>(v[5]), fptr(v[1]),
-                  v[2], v[3], v[4], out_ptr(v[6]), v[7]);
-  });
+  return gguf_call(args, nargs, "gguf_q8", kpg::q8::gguf);
 }
 
 // block_shape(type): (elements, bytes) per block of the ggml type, or None

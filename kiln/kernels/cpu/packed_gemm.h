@@ -247,40 +247,51 @@ inline int64_t threads_for(int64_t items, int64_t macs) {
   return std::max<int64_t>(1, std::min({nt, items, macs / kMinMacsPerThread}));
 }
 
-// The whole product: the tiles split across threads in contiguous ranges (static: on this
-// shared 2-core machine a dynamic schedule of (row block, tile) items measured 0.7-1.0x the
-// static split's speed at 2 threads, equal at 1), rows in blocks, so a thread's L2 keeps
-// the block of x for all its tiles. `block_rows` (0: kBlockRows) is the rows per block.
-// Throws std::bad_alloc.
+// Runs the tiles [0, tiles) on `nt` OpenMP threads, each a contiguous range (static: on
+// this shared 2-core machine a dynamic schedule of (row block, tile) items measured 0.7-1.0x
+// the static split's speed at 2 threads, equal at 1): every thread first runs prologue()
+// (work-shared loops in it end at their barrier), then range(first, last, buffer) with a
+// 64-byte-aligned buffer of `bytes` of its own. Throws std::bad_alloc.
+template <class Prologue, class Range>
+void for_tile_ranges(int64_t tiles, int64_t nt, size_t bytes, Prologue&& prologue,
+                     Range&& range) {
+  bool failed = false;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    prologue();
+    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    void* buffer = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (buffer == nullptr) {
+#pragma omp atomic write
+      failed = true;
+    } else {
+      range(tiles * t / n, tiles * (t + 1) / n, buffer);
+      std::free(buffer);
+    }
+  }
+  if (failed) throw std::bad_alloc();
+}
+
+// The whole product: the tiles split across threads (for_tile_ranges), rows in blocks, so a
+// thread's L2 keeps the block of x for all its tiles. `block_rows` (0: kBlockRows) is the
+// rows per block. Throws std::bad_alloc.
 template <class Decoder>
 void drive(const Decoder& dec, const float* x, int64_t M, int64_t K, int64_t N, float* y,
            int64_t block_rows = 0) {
   const int64_t tiles = (N + NR - 1) / NR;
-  const int64_t nt = threads_for(tiles, M * K * N);
   const int64_t mb = block_rows > 0 ? block_rows : kBlockRows;
-  bool failed = false;
-#pragma omp parallel num_threads(nt) if (nt > 1)
-  {
-    const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-    const int64_t first = tiles * t / n, last = tiles * (t + 1) / n;
-    const size_t bytes = (static_cast<size_t>(K * NR * sizeof(float)) + 63) / 64 * 64;
-    float* tile = static_cast<float*>(std::aligned_alloc(64, bytes));
-    if (tile == nullptr) {
-#pragma omp atomic write
-      failed = true;
-    } else {
-      for (int64_t r0 = 0; r0 < M; r0 += mb) {
-        const int64_t r1 = std::min(M, r0 + mb);
-        for (int64_t i = first; i < last; ++i) {
-          if (r0 == 0 || first + 1 != last) dec.decode(i * NR, tile);  // one tile: kept
-          for (int64_t k0 = 0; k0 < K; k0 += kBlockK)
-            rows_tile(x, K, k0, std::min(K, k0 + kBlockK), N, tile, i * NR, r0, r1, y);
-        }
+  const auto range = [&](int64_t first, int64_t last, void* buffer) {
+    float* tile = static_cast<float*>(buffer);
+    for (int64_t r0 = 0; r0 < M; r0 += mb) {
+      const int64_t r1 = std::min(M, r0 + mb);
+      for (int64_t i = first; i < last; ++i) {
+        if (r0 == 0 || first + 1 != last) dec.decode(i * NR, tile);  // one tile: kept
+        for (int64_t k0 = 0; k0 < K; k0 += kBlockK)
+          rows_tile(x, K, k0, std::min(K, k0 + kBlockK), N, tile, i * NR, r0, r1, y);
       }
-      std::free(tile);
     }
-  }
-  if (failed) throw std::bad_alloc();
+  };
+  for_tile_ranges(tiles, threads_for(tiles, M * K * N), sizeof(float) * K * NR, [] {}, range);
 }
 
 // y = x @ W.T for the GGUF ggml type `type` (the caller has checked kgguf::block_shape).

@@ -22,6 +22,7 @@ from kiln.kernels.cpu import packed_gemm as pg
 from tests.support.compare import assert_close_to_reference
 from tests.support.gguf_quants import q8_activations, q8_reference, quantize, random_blocks
 from tests.support.native import quoted_includes
+from tests.support.threads import at_one_and_many_threads
 
 Q = gguf.GGMLQuantizationType
 TYPES = [Q.Q8_0, Q.Q6_K, Q.Q4_K, Q.Q5_K, Q.Q5_0, Q.Q5_1, Q.Q4_0, Q.Q4_1]
@@ -108,14 +109,9 @@ def test_kernel_on_quantized_weights(kind: Q, activations: str) -> None:
     raw = quantize(np.random.default_rng(2).normal(0, 0.2, size=(300, 512)), kind)
     w, blocks = _gguf_values(raw, kind), torch.from_numpy(raw)
     x = torch.randn(3, 512)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = gb.gguf_matmul(x, blocks, int(kind), activations=activations)
-        torch.set_num_threads(2)
-        two = gb.gguf_matmul(x, blocks, int(kind), activations=activations)
-    finally:
-        torch.set_num_threads(before)
+    one, two = at_one_and_many_threads(
+        lambda: gb.gguf_matmul(x, blocks, int(kind), activations=activations)
+    )
     assert torch.equal(one, two)  # each output summed by one thread in a fixed order
     if activations == "fp32":
         assert_close_to_reference(one, F.linear(x, w), rtol_to_max=RTOL)

@@ -18,6 +18,7 @@ from kiln.kernels.cpu import packed_gemm as pg
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from tests.support.compare import assert_close_to_reference
 from tests.support.gguf_quants import q8_reference, random_blocks
+from tests.support.threads import at_one_and_many_threads
 
 Q = gguf.GGMLQuantizationType
 ISAS = ["avx512", "avx2"] if native.isa() == "avx512" else ["avx2"]
@@ -106,14 +107,7 @@ def test_gguf_int8_agrees_with_the_decode_kernels_and_thread_counts() -> None:
     x = torch.randn(40, 576)
     decode = gb.gguf_matmul(x, raw, int(Q.Q4_0), activations="int8")
     assert_close_to_reference(kernel(x), decode, rtol_to_max=RTOL_Q8)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel(x)
-        torch.set_num_threads(max(2, before))
-        many = kernel(x)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and_many_threads(lambda: kernel(x))
     assert torch.equal(one, many)
 
 
@@ -131,14 +125,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     packed, scale, offset = _int4(576, 576, 32)
     kernel = pg.Int4Gemm(packed, scale, offset, 32)
     x = torch.randn(40, 576)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel(x)
-        torch.set_num_threads(max(2, before))
-        many = kernel(x)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and_many_threads(lambda: kernel(x))
     assert torch.equal(one, many)  # each output summed by one thread in a fixed order
 
 

@@ -14,6 +14,7 @@ from kiln.kernels.cpu import woq as cw
 from kiln.kernels.formats import dequantize_int4, dequantize_int8
 from tests.support.compare import assert_close_to_reference
 from tests.support.native import quoted_includes
+from tests.support.threads import at_one_and_many_threads
 
 # Another summation order than F.linear (and INT8's scale applied after the sum): a few
 # float32 ulps of the largest output.
@@ -112,14 +113,7 @@ def test_results_do_not_depend_on_the_thread_count() -> None:
     q, s = _int8(1536, 576)  # large enough for the kernel to use every thread
     kernel = cw.cpu_int8_kernel(q, s, "kiln")
     x = torch.randn(5, 576)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kernel(x)
-        torch.set_num_threads(max(2, before))
-        many = kernel(x)
-    finally:
-        torch.set_num_threads(before)
+    one, many = at_one_and_many_threads(lambda: kernel(x))
     assert torch.equal(one, many)  # each output is computed by one thread in a fixed order
 
 
