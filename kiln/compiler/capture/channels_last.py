@@ -12,23 +12,23 @@ values of a region are converted once where it begins and ends.
 ``find_regions`` finds the regions: connected sets of 1-D/2-D fp32 convs and of the
 ops between them that work in either layout (pointwise ops with per-channel or scalar
 constants, residual adds, reductions such as global average pooling, slices, ``cat``
-and ``index_select`` along any dim, and the pooling and upsampling ATen calls that
-follow their input's memory format), grown over value edges between ops of the same
-rank. ``to_channels_last`` rewrites chosen regions: members compute on permuted
-values (constants are permuted once, reduction/slice/cat dims remapped, convs marked
-``channels_last``), a ``permute`` view (+ a ``copy`` when the view is not already
-contiguous) converts each value entering a region, and one converts back each value
-leaving it. Which regions pay off is decided by the caller with the cost model
+and ``index_select`` along any dim, ``pool2d``, and the pooling and upsampling ATen
+calls that follow their input's memory format), grown over value edges between ops of
+the same rank. ``to_channels_last`` rewrites chosen regions: members compute on
+permuted values (constants are permuted once, reduction/slice/cat dims remapped, convs
+and pools marked ``channels_last``), a ``permute`` view (+ a ``copy`` when the view is
+not already contiguous) converts each value entering a region, and one converts back
+each value leaving it. Which regions pay off is decided by the caller with the cost model
 (``fusion/layouts.py``): this module only rewrites, exactly.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kiln.compiler.capture.format_following import ChannelsLastCall, format_following
 from kiln.compiler.capture.passes import canonicalize_views, eliminate_dead_code
 from kiln.compiler.ir.graph import (
     BINARY,
@@ -41,29 +41,11 @@ from kiln.compiler.ir.graph import (
     ValueKind,
 )
 from kiln.compiler.ir.layout import access, contiguous_strides
-from kiln.compiler.ir.semantics import TensorArg
-
-aten = torch.ops.aten
 
 # (N, C, *spatial) -> (N, *spatial, C) for 1-D and 2-D convs' values
 PERM = {3: (0, 2, 1), 4: (0, 2, 3, 1)}
 _POINTWISE = UNARY | BINARY | TERNARY
 _DIM_OPS = frozenset({"slice", "cat", "index_select"})  # attrs["dim"] is remapped
-# ATen ops kiln runs as opaque calls whose CPU kernels follow their input's memory format:
-# fed a channels-last tensor they run their channels-last kernel (measured, 1 thread: a
-# 3x3/2 max pool over 64x56x56 in 81 us instead of 1.5 ms, a 2x nearest upsample of it in
-# 115 us instead of 600-900 us), so inside a region they cost less than outside it.
-_FORMAT_FOLLOWING = frozenset(
-    {
-        aten.max_pool2d_with_indices.default,
-        aten.max_pool2d.default,
-        aten.avg_pool2d.default,
-        aten.upsample_nearest2d.vec,
-        aten.upsample_nearest2d.default,
-        aten.upsample_bilinear2d.vec,
-        aten.upsample_bilinear2d.default,
-    }
-)
 
 
 @dataclass(frozen=True)
@@ -92,48 +74,15 @@ def _is_cl_conv(graph: Graph, n: Node) -> bool:
     )
 
 
-class ChannelsLastCall:
-    """An NCHW ATen op (one of ``_FORMAT_FOLLOWING``) as the target of an opaque node on
-    (N, H, W, C) values: it is called on the NCHW-shaped channels-last view of its input,
-    and every result (N, C', H', W') comes back as (N, H', W', C') contiguous."""
-
-    def __init__(self, target: Callable[..., object]) -> None:
-        self.target = target
-
-    def __call__(self, x: torch.Tensor, *args: object, **kwargs: object) -> object:
-        out = self.target(x.permute(0, 3, 1, 2), *args, **kwargs)
-        if isinstance(out, (tuple, list)):
-            return type(out)(o.permute(0, 2, 3, 1).contiguous() for o in out)
-        assert isinstance(out, torch.Tensor)
-        return out.permute(0, 2, 3, 1).contiguous()
-
-    def __str__(self) -> str:  # fallback reports name the ATen op
-        return str(self.target)
-
-    def __repr__(self) -> str:
-        return f"ChannelsLastCall({self.target})"
-
-
-def _format_following(graph: Graph, n: Node) -> bool:
-    """An opaque call of a ``_FORMAT_FOLLOWING`` op on one fp32 4-D tensor, its first argument."""
-    a = n.attrs
-    args = a.get("args", ())
-    return (
-        a.get("target") in _FORMAT_FOLLOWING
-        and len(n.inputs) == 1
-        and bool(args)
-        and isinstance(args[0], TensorArg)
-        and len(graph.meta(n.inputs[0]).shape) == len(graph.meta(n.output).shape) == 4
-        and graph.meta(n.inputs[0]).dtype == graph.meta(n.output).dtype == torch.float32
-    )
-
-
 def _rank(graph: Graph, n: Node) -> int | None:
     """The region rank a node may join (the rank of the values it works on), else None."""
     if n.op == "conv":
         return len(graph.meta(n.inputs[0]).shape) if _is_cl_conv(graph, n) else None
+    if n.op == "pool2d":
+        fp32 = graph.meta(n.inputs[0]).dtype == torch.float32
+        return 4 if fp32 and not n.attrs["channels_last"] else None
     if n.op == "opaque":
-        return 4 if _format_following(graph, n) else None
+        return 4 if format_following(graph, n) else None
     variable = [v for v in n.inputs if not graph.is_constant(v)]
     if n.op in _POINTWISE:
         r = len(graph.meta(n.output).shape)
@@ -293,7 +242,7 @@ class _Rewrite:
         meta = self.src.meta(n.output)
         shape = tuple(meta.shape[d] for d in p)
         out_perm = p
-        if n.op == "conv":
+        if n.op in ("conv", "pool2d"):
             attrs["channels_last"] = True
         elif n.op == "opaque":
             attrs["target"] = ChannelsLastCall(attrs["target"])

@@ -192,6 +192,11 @@ def _aten_call(n: Node) -> tuple[object, tuple[Any, ...], dict[str, Any]]:
         zeros = [0] * len(a["stride"])
         args = (t[0], t[1], bias, list(a["stride"]), list(a["padding"]), list(a["dilation"]))
         return aten.convolution.default, (*args, False, zeros, a["groups"]), {}
+    if n.op == "pool2d" and not a["channels_last"]:
+        window = (list(a["kernel"]), list(a["stride"]), list(a["padding"]))
+        if a["mode"] == "max":
+            return aten.max_pool2d.default, (t[0], *window), {}
+        return aten.avg_pool2d.default, (t[0], *window), {}  # count_include_pad: default
     raise ValueError(f"no ATen form for primitive {n.op!r}")
 
 

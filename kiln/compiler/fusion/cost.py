@@ -151,6 +151,9 @@ def node_flops(node: Node, graph: Graph) -> float:
         return per * graph.meta(node.output).numel
     if node.cls == OpClass.REDUCTION:
         return float(graph.meta(node.inputs[0]).numel)
+    if node.op == "pool2d":  # a max / add per window tap and output
+        kh, kw = node.attrs["kernel"]
+        return float(kh * kw * graph.meta(node.output).numel)
     return 0.0
 
 

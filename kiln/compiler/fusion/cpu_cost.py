@@ -30,6 +30,10 @@ memory time the larger does not hide, fitted between 0 and 1):
     plain sum 1: loop, accumulate, horizontal reduce);
   - depthwise conv: its vector-padded taps at ``dwconv_gflops`` per thread, and the copy
     of each zero-padded input plane into scratch as pointwise work (1 FLOP an element);
+  - pooling (``pool2d``, a ``single`` kernel whose window reads hit the cache): a max or
+    add per window tap and output as pointwise work, plus on NCHW values the padded copy
+    of each plane into scratch (``pool_flops``); it goes parallel from
+    ``PARALLEL_MIN_ELEMS`` *input* elements;
 * gather: bytes copied element by element — the rows an ``index_select`` (embedding
   lookup) picks, and values a pointwise or copy kernel reads through a strided view (a
   transpose it materialises) — move at ``gather_gbs``, as a strided operand's packing;
@@ -58,6 +62,27 @@ BMM_GRAIN_FLOPS = 1 << 16
 DWCONV_MIN_TASK_FMAS = 1 << 12
 LANES = {"avx512": 16, "avx2": 8}
 NATIVE_TEMPLATES = frozenset({"pointwise", "reduction", "gemm", "dwconv", "single", "copy"})
+# The pool2d kernels, measured on Zen 5 with 2 threads (3x3/2, 3x3/1 and 2x2/2 pools over
+# 16-64 channels of 56x56 and 64x64 images): channels-last ones run their taps at about the
+# pointwise rate; NCHW ones 1.5x slower per tap (vector loads from the phase-split plane
+# straddle cache lines) plus 2 FLOPs' worth per element of the plane's scratch copy.
+POOL_NCHW_TAP, POOL_NCHW_FILL = 1.5, 2.0
+
+
+def pool_flops(node: Node, graph: Graph, lanes: int) -> float:
+    """Pointwise work of a ``pool2d`` kernel (``codegen/cpu/pool.py``): a max / add per
+    window tap of every output, channels (NHWC) or output columns (NCHW) rounded up to
+    whole vectors; NCHW taps cost ``POOL_NCHW_TAP`` times more, and each element its
+    scratch plane holds (padding and column phases included) ``POOL_NCHW_FILL``."""
+    (kh, kw), (sh, sw) = node.attrs["kernel"], node.attrs["stride"]
+    if node.attrs["channels_last"]:
+        n, oh, ow, c = graph.meta(node.output).shape
+        return float(kh * kw * n * oh * ow * -(-c // lanes) * lanes)
+    n, c, oh, ow = graph.meta(node.output).shape
+    padded = -(-ow // lanes) * lanes
+    rows, row_len = (oh - 1) * sh + kh, -(-(padded + (kw - 1) // sw) // 16) * 16
+    taps = POOL_NCHW_TAP * kh * kw * oh * padded
+    return n * c * (taps + POOL_NCHW_FILL * rows * sw * row_len)
 
 
 def register_rows(isa: str) -> int:
@@ -183,11 +208,13 @@ def native_work(
     elems = max((graph.meta(v).numel for v in candidate.outputs), default=0)
     rows, reductions = 0, {n.output for n in nodes if n.cls == OpClass.REDUCTION}
     for n in nodes:
-        if n.cls == OpClass.REDUCTION:
+        if n.cls == OpClass.REDUCTION or n.op == "pool2d":
             elems = max(elems, graph.meta(n.inputs[0]).numel)
+        if n.cls == OpClass.REDUCTION:
             rows += graph.meta(n.output).numel
     if rows and any(n.cls != OpClass.REDUCTION and reductions & set(n.inputs) for n in nodes):
         rows += rows // len(reductions)  # a pass after the last reduction (normalise)
+    pointwise_flops += sum(pool_flops(n, graph, lanes) for n in nodes if n.op == "pool2d")
     gathered = sum(float(nbytes(graph, n.output)) for n in nodes if n.op == "index_select")
     if candidate.template in ("pointwise", "single", "copy"):
         inside = {n.output for n in nodes}

@@ -13,7 +13,9 @@ A ``Graph`` is a DAG of ``Node``s over named ``Value``s, in topological order.
   gemm       ``mm`` (M,K)x(K,N), ``bmm`` (B,M,K)x(B,K,N), ``conv``
   layout     ``view``/``permute``/``expand``/``slice``: aliases, no compute;
              ``cat``/``copy``: materialise data
-  opaque     anything else: runs through PyTorch as-is (``attrs["target"]``)
+  opaque     anything else: runs through PyTorch as-is (``attrs["target"]``);
+             also the whole-op primitives ``rnn`` and ``pool2d``, which have
+             native kernels of their own but never fuse with other nodes
   ========== ===========================================================
 
 The vocabulary of primitive ops (``Node.op``) and their attributes is listed in
@@ -112,13 +114,18 @@ OPAQUE = {"opaque"}  # attrs: target (torch OpOverload), args/kwargs templates
 # state (B, H) instead of the outputs). Inputs: LSTM (x, h0, c0, w_ih, w_hh, b_ih, b_hh),
 # GRU (x, h0, w_ih, w_hh, b_ih, b_hh); x (B, T, I) if batch_first else (T, B, I).
 RNNS = {"rnn"}
+# pool2d: a 2-D max / average pool run whole (one native kernel); attrs mode ("max" |
+# "avg"), kernel, stride, padding: (int, int), channels_last: bool. x (N, C, H, W) ->
+# (N, C, H', W'), or with channels_last (N, H, W, C) -> (N, H', W', C); dilation 1, floor
+# mode, padding as -inf (max) or counted zeros (avg: PyTorch's count_include_pad).
+POOLS = {"pool2d"}
 
 OPS: dict[str, OpClass] = {
     **{op: OpClass.POINTWISE for op in UNARY | BINARY | TERNARY},
     **{op: OpClass.REDUCTION for op in REDUCTIONS},
     **{op: OpClass.GEMM for op in GEMMS},
     **{op: OpClass.LAYOUT for op in LAYOUT_VIEWS | LAYOUT_COPIES},
-    **{op: OpClass.OPAQUE for op in OPAQUE | RNNS},
+    **{op: OpClass.OPAQUE for op in OPAQUE | RNNS | POOLS},
 }
 
 

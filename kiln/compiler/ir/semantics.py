@@ -96,6 +96,8 @@ def eval_node(node: Node, args: Sequence[Tensor]) -> Tensor:
         return run_opaque(node, args)
     if op == "rnn":
         return rnn_reference(a["cell"], args, a["batch_first"], a.get("final_cell", False))
+    if op == "pool2d":
+        return _pool2d(args[0], a)
     raise NotImplementedError(f"no reference for primitive {op!r}")
 
 
@@ -123,6 +125,17 @@ def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
         y = conv(x.movedim(-1, 1), w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
         return y.movedim(1, -1).contiguous()
     return conv(x, w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
+
+
+def _pool2d(x: Tensor, a: dict) -> Tensor:
+    """max_pool2d / avg_pool2d (count_include_pad); channels_last: (N, H, W, C) in and
+    out, both contiguous, as for conv."""
+    if a.get("channels_last"):
+        return _pool2d(x.movedim(-1, 1), {**a, "channels_last": False}).movedim(1, -1).contiguous()
+    k, s, p = list(a["kernel"]), list(a["stride"]), list(a["padding"])
+    if a["mode"] == "max":
+        return F.max_pool2d(x, k, s, p)
+    return F.avg_pool2d(x, k, s, p, count_include_pad=True)
 
 
 def run_opaque(node: Node, args: Sequence[Tensor]) -> Tensor:

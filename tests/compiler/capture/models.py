@@ -128,8 +128,8 @@ class Structured(nn.Module):
 
 
 class CNNHead(nn.Module):
-    """Pooling: non-overlapping max pool, overlapping max pool (opaque),
-    avg pool, adaptive avg pool to (1, 1), constant padding (opaque)."""
+    """Pooling: non-overlapping max pool, overlapping max pool, avg pool (``pool2d``
+    each), adaptive avg pool to (1, 1), constant padding (a cat)."""
 
     def __init__(self, c: int = 4) -> None:
         super().__init__()

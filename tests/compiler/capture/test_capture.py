@@ -187,15 +187,19 @@ def test_structured_outputs() -> None:
 
 
 def test_pooling() -> None:
-    """Non-overlapping max/avg pools and adaptive (1, 1) are reductions; constant padding
-    is a cat; the overlapping max pool stays opaque."""
+    """Max and average pools of 4-D values, tiling or overlapping, are ``pool2d`` nodes;
+    adaptive (1, 1) is a reduction over (H, W); constant padding is a cat."""
     _, _, result = captured("pooling")
     g = result.graph
-    assert [f.aten_op for f in result.fallbacks] == ["aten.max_pool2d_with_indices.default"]
+    assert not result.fallbacks
     assert "cat" in ops(g)
-    (mp,) = [n for n in g.nodes if n.op == "opaque" and "max_pool" in str(n.attrs["target"])]
-    assert mp.attrs["output_index"] == 0
-    assert any(n.op == "max" and n.attrs["dims"] == (3, 5) for n in g.nodes)
+    pools = [(n.attrs, g.meta(n.output).shape) for n in g.nodes if n.op == "pool2d"]
+    common = {"padding": (0, 0), "channels_last": False}
+    assert pools == [
+        ({"mode": "max", "kernel": (2, 2), "stride": (2, 2), **common}, (2, 4, 5, 5)),
+        ({"mode": "max", "kernel": (3, 3), "stride": (1, 1), **common}, (2, 4, 8, 8)),
+        ({"mode": "avg", "kernel": (2, 2), "stride": (2, 2), **common}, (2, 4, 5, 5)),
+    ]
     assert any(n.op == "sum" and n.attrs["dims"] == (2, 3) for n in g.nodes)
 
 

@@ -177,6 +177,23 @@ def test_pools_and_upsampling_join_the_region() -> None:
     assert moves == ["permute", "permute", "copy"], cl.summary()
 
 
+def test_tiling_max_pools_join_the_region() -> None:
+    """2x2/2 max pools (a U-Net encoder's, the second over an odd width) are ``pool2d``
+    nodes that compute channels-last in the region: no conversion around them."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(8, 8, 3, padding=1), nn.MaxPool2d(2), nn.Conv2d(8, 4, 1),
+    )  # fmt: skip
+    torch.manual_seed(0)
+    g = _graph(model, torch.randn(2, 3, 12, 18))
+    assert [len(r.convs) for r in find_regions(g)] == [3]
+    cl = _rewrite_matches(model, torch.randn(2, 3, 12, 18))
+    pools = [(n.attrs["kernel"], n.attrs["channels_last"]) for n in cl.nodes if n.op == "pool2d"]
+    assert pools == [((2, 2), True)] * 2
+    permutes = [n for n in cl.nodes if n.op == "permute"]
+    assert len(permutes) == 2, cl.summary()  # the image in, the result out
+
+
 def test_conv_free_graph_is_unchanged() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
     g = _graph(model, torch.randn(5, 16))

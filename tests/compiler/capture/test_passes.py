@@ -143,6 +143,23 @@ def test_non_float_compute_becomes_opaque() -> None:
     assert_close_to_reference(run_graph(out, inputs), run_graph(g, inputs))
 
 
+def test_half_precision_pools_become_aten_pools() -> None:
+    """The C++ backend computes in fp32: a bf16 ``pool2d`` runs as ATen's pool."""
+    g = Graph()
+    x = g.add_input("x", meta(1, 3, 9, 7, dtype=torch.bfloat16))
+    for mode in ("max", "avg"):
+        attrs = {"mode": mode, "kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)}
+        out = meta(1, 3, 5, 4, dtype=torch.bfloat16)
+        g.outputs.append(g.add_node("pool2d", (x,), out, {**attrs, "channels_last": False}))
+    out = enforce_native_dtypes(g)
+    assert [fb.aten_op for fb in fallback_report(out)] == [
+        "aten.max_pool2d.default",
+        "aten.avg_pool2d.default",
+    ]
+    inputs = [-1.0 - torch.rand(1, 3, 9, 7).to(torch.bfloat16)]
+    assert_close_to_reference(run_graph(out, inputs), run_graph(g, inputs))
+
+
 def test_optimize_pipeline_validates() -> None:
     g = Graph()
     x = g.add_input("x", meta(2, 4))

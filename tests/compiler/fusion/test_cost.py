@@ -74,6 +74,21 @@ def test_views_read_what_they_touch() -> None:
     assert candidate_bytes(add, g) == 4 * (64 * 128 + 128 + 64 * 128)  # b read once
 
 
+def test_pool_roofline_by_hand() -> None:
+    """A ``pool2d`` is a native kernel: bytes of its input and output, a max per window
+    tap and output."""
+    for channels_last in (True, False):
+        g = Graph()
+        x = g.add_input("x", meta(1, 56, 56, 64) if channels_last else meta(1, 64, 56, 56))
+        attrs = {"mode": "max", "kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)}
+        out = (1, 28, 28, 64) if channels_last else (1, 64, 28, 28)
+        g.outputs = [op(g, "pool2d", (x,), out, **attrs, channels_last=channels_last)]
+        c = whole(g)
+        assert c.template == "single"
+        memory = 4 * 64 * (56 * 56 + 28 * 28) / 1e4
+        assert estimate(c, g, PROFILE) == pytest.approx(max(memory, 9 * 64 * 28 * 28 / 1e5) + 1.0)
+
+
 def test_extern_kernels_pay_a_call() -> None:
     g = Graph()
     x = g.add_input("x", meta(4, 4))

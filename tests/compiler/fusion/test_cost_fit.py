@@ -151,6 +151,28 @@ def test_pointwise_and_gemm_by_hand() -> None:
     )
 
 
+def test_pool_by_hand() -> None:
+    """A ``pool2d`` on both threads (>= 32768 input elements): input and output bytes from
+    L2, its taps (channels rounded up to whole vectors) as pointwise work; on NCHW values
+    the taps (output columns rounded up) cost 1.5x, and the scratch plane's copy 2 each."""
+    assert TRUE is not None
+    attrs = {"mode": "max", "kernel": (3, 3), "stride": (2, 2), "padding": (1, 1)}
+    g = Graph()
+    x = g.add_input("x", meta(1, 56, 56, 20))
+    g.outputs = [op(g, "pool2d", (x,), (1, 28, 28, 20), **attrs, channels_last=True)]
+    memory = 4 * 20 * (56 * 56 + 28 * 28) / (TRUE.read_gbs[0] * 1e3)
+    compute = 9 * 28 * 28 * 32 / (TRUE.pointwise_gflops * 1e3) / 2  # avx512: 2 vectors
+    want = TRUE.parallel_us + overlapped(memory, compute)
+    assert estimate(whole(g), g, PROFILE) == pytest.approx(want)
+    g = Graph()
+    x = g.add_input("x", meta(1, 20, 56, 56))
+    g.outputs = [op(g, "pool2d", (x,), (1, 20, 28, 28), **attrs, channels_last=False)]
+    scratch = 57 * 2 * 48  # rows (27 * 2 + 3) x phases x 32 + 1 columns, to whole lines
+    compute = 20 * (1.5 * 9 * 28 * 32 + 2 * scratch) / (TRUE.pointwise_gflops * 1e3) / 2
+    want = TRUE.parallel_us + overlapped(memory, compute)
+    assert estimate(whole(g), g, PROFILE) == pytest.approx(want)
+
+
 def test_profiles_without_kernel_rates_keep_the_roofline() -> None:
     """A device-neutral profile (no ``KernelRates``) is priced as before."""
     bare = HardwareProfile("x", "avx2", 2, 100.0, 10.0, (0, 1 << 20, 0), 1.0, 5.0, {})

@@ -36,6 +36,7 @@ from kiln.compiler.codegen.cpu.gemm import GemmSpec, emit_gemm
 from kiln.compiler.codegen.cpu.pack import pack_b
 from kiln.compiler.codegen.cpu.pointconv import pointconv_kernel
 from kiln.compiler.codegen.cpu.pointwise import emit_copy, emit_pointwise
+from kiln.compiler.codegen.cpu.pool import pool_kernel
 from kiln.compiler.codegen.cpu.reduction import RowSpec, emit_rows
 from kiln.compiler.codegen.cpu.rnn import rnn_kernel
 from kiln.compiler.fusion.program import Kernel, Program, is_extern
@@ -163,6 +164,8 @@ class _Gen:
             return self.cat(nodes[0])
         if len(nodes) == 1 and nodes[0].op == "rnn":
             return rnn_kernel(self, nodes[0])
+        if len(nodes) == 1 and nodes[0].op == "pool2d":
+            return pool_kernel(self, nodes[0], self.nr // 2)
         if len(nodes) == 1 and nodes[0].op == "index_select":
             return self.index_select(nodes[0])
         raise Unsupported(f"no native template for {sorted(n.op for n in nodes)}")

@@ -3,8 +3,8 @@
 Each kernel of the orchestrated program becomes one launch of a generated Triton
 kernel when a template covers it (``pointwise``, ``rows``, ``gemm``, ``chain``,
 ``copy``, ``cat``), an ``AttentionCall`` of the fused attention kernel; otherwise it becomes an ``AtenCall`` that evaluates its nodes with the
-reference semantics on the device (cuDNN for convolutions, ATen for opaque ops and
-gathers) and writes the results into their planned storage. Every such fallback is
+reference semantics on the device (cuDNN for convolutions and pooling, ATen for opaque
+ops and gathers) and writes the results into their planned storage. Every such fallback is
 listed with its reason, as on the CPU.
 """
 
@@ -43,7 +43,7 @@ class TritonProgram:
 def generate(prog: Program) -> TritonProgram:
     out = TritonProgram([])
     for i, k in enumerate(prog.kernels):
-        if is_extern(prog.graph, k):
+        if is_extern(prog.graph, k) or _library_pool(prog, k):
             out.steps.append(AtenCall(i, "library call"))
             continue
         try:
@@ -55,6 +55,12 @@ def generate(prog: Program) -> TritonProgram:
         out.steps.append(step)
         out.native_kernels.append(i)
     return out
+
+
+def _library_pool(prog: Program, k: Kernel) -> bool:
+    """A lone ``pool2d``: ATen's (cuDNN's) pooling on the device, a library call like a
+    conv, not a fallback (there is no Triton pooling template)."""
+    return len(k.nodes) == 1 and prog.graph.node(k.nodes[0]).op == "pool2d"
 
 
 def _launch(prog: Program, i: int, k: Kernel) -> Launch | AttentionCall:

@@ -103,6 +103,20 @@ def test_rows_over_two_trailing_dims(device: torch.device) -> None:
     _check(MeanPool(), [torch.randn(2, 6, 5, 7)], torch.float32, device, {"reduction"})
 
 
+class Pools(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, C, H, W) -> (B, C, H/4, W/4)
+        return F.avg_pool2d(F.max_pool2d(torch.relu(x) - 0.5, 3, 2, 1), 2) * 2.0
+
+
+def test_pools_are_library_calls(device: torch.device) -> None:
+    """``pool2d`` has no Triton template: ATen's pooling runs it, as a library call (not
+    a fallback), between generated kernels."""
+    compiled = _check(Pools(), [torch.randn(2, 3, 13, 16)], torch.float32, device, {"pointwise"})
+    pools = [k.executor for k in compiled.report.kernels if k.primitives == ["pool2d"]]
+    assert pools == ["extern", "extern"], compiled.report.kernel_table()
+    assert not compiled.report.fallbacks, compiled.report.fallbacks
+
+
 class LinearAct(nn.Module):
     def __init__(self, k: int, n: int) -> None:
         super().__init__()
