@@ -57,7 +57,8 @@ def plan(
             formats=tuple(f.strip() for f in formats.split(",") if f.strip()),
             allow_offload=not no_offload,
         )  # fmt: skip
-        result = plan_deployment(model, hardware, request, out or None)
+        with console.status("planning") as status:
+            result = plan_deployment(model, hardware, request, out or None, status.update)
     doc = result.document
     launch = None
     if emit:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +84,9 @@ class Architecture:
     source: str  # where it was read from, for messages
     learned_positions: int = 0  # rows of a learned position table (GPT-2, OPT), else 0
     final_norm_params: int = 0  # the norm before the head
+    # the model as kiln builds it (None for a shape kiln only plans: GLM's release format);
+    # on this CPU the planner times its engines on it (``arch_rates``)
+    config: ModelConfig | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if len(self.sliding_windows) != self.n_layers:
@@ -141,7 +144,7 @@ class Architecture:
             max_positions=cfg.max_positions,
             sliding_windows=tuple(cfg.window(i) for i in range(cfg.n_layers)),
             layer_linears=linears, norm_params_per_layer=per_norm * norms, source=source,
-            learned_positions=learned, final_norm_params=per_norm * c,
+            learned_positions=learned, final_norm_params=per_norm * c, config=cfg,
         )  # fmt: skip
 
 

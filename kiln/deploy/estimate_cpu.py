@@ -18,6 +18,11 @@ plus weight bytes or FLOPs at a measured rate, at the thread count a rank has):
   all-reduces per block under TP and a send per stage boundary (``gloo``), which runs
   fast on paper: an estimate of what it would cost with a core per rank.
 
+Where the planned model's own blocks were timed (``arch_rates``, the default for a model
+kiln builds), every engine above is that model's, and the head (with the embedding and the
+final norm) has its own measured cost, ``<engine>+head``: a 152k-row head streams at
+another rate than a block, and prices the last stage on its own.
+
 Prefill (the prompt) runs through the eager module (``prefill-<fmt>``, or the layout's
 ``prefill-tp<T>-pp<P>-<fmt>``: the blocks' FLOPs and the head's for each sequence's last
 position, at the measured rate); a streamed plan also reads every offloaded block once more.
@@ -29,6 +34,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from kiln.deploy.arch_rates import head_engine
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.kernel_rates import Cost, Rates, rate_at
 from kiln.deploy.rank_rates import layout_engine, logits_broadcast_s
@@ -79,19 +85,25 @@ def decode_ms(arch: Architecture, run: CpuRun, rates: Rates) -> float | None:
     stage_bytes = [
         layers * (run.layer_w / run.tp + run.batch * run.context * kv_row) for layers in run.stages
     ]
-    stage_bytes[-1] += run.head_w  # every rank of the last stage computes the whole head
     logits_s = logits_broadcast_s(rate_at(rates, "gloo", 2), run.batch, arch.vocab_size)
     layout = _layout_cost(rates, run, run.batch, prefill=False)
+    engine = layout_engine(run.tp, run.pp, run.fmt) if layout is not None else decode_engine(run)
+    # every rank of the last stage computes the whole head: at its own measured cost where
+    # the model's engines were timed (``arch_rates``), else as more bytes of the stage
+    head = rate_at(rates, head_engine(engine), run.batch)
+    head_s = head.seconds(run.head_w) if head is not None else 0.0
+    if head is None:
+        stage_bytes[-1] += run.head_w
     if layout is not None:  # the stages in turn, as timed
-        return (layout.seconds(sum(stage_bytes), sum(run.stages)) + logits_s) * 1e3
-    cost = rate_at(rates, decode_engine(run), run.batch)
+        return (layout.seconds(sum(stage_bytes), sum(run.stages)) + head_s + logits_s) * 1e3
+    cost = rate_at(rates, engine, run.batch)
     if cost is None:
         return None
     hidden_msg = run.batch * arch.hidden_size * run.act_bytes
     seconds = 0.0  # one sequence of micro-batches: the stages run one after another
     for layers, nbytes in zip(run.stages, stage_bytes, strict=True):
         seconds += cost.seconds(nbytes, layers) + 2 * layers * _message_s(rates, hidden_msg, run.tp)
-    seconds += (run.pp - 1) * _message_s(rates, hidden_msg, 2)
+    seconds += (run.pp - 1) * _message_s(rates, hidden_msg, 2) + head_s
     if run.ranks > 1:  # the last stage's logits go to every rank
         seconds += logits_s
     return seconds * 1e3
@@ -105,15 +117,20 @@ def prefill_ms(arch: Architecture, run: CpuRun, rates: Rates) -> float | None:
     head_flops = 2 * run.batch * arch.hidden_size * arch.vocab_size  # the last row's logits
     layers = sum(run.stages)
     layout = _layout_cost(rates, run, rows, prefill=True)
+    engine = (layout_engine(run.tp, run.pp, run.fmt, prefill=True) if layout is not None
+              else f"prefill-{run.fmt}")  # fmt: skip
+    head = rate_at(rates, head_engine(engine), rows)  # the head at its own cost, if timed
+    head_s = head.seconds(head_flops) if head is not None else 0.0
+    block_flops = layers * flops_layer / run.tp + (0.0 if head is not None else head_flops)
     if layout is not None:
         gloo = rate_at(rates, "gloo", 2)
-        seconds = layout.seconds(layers * flops_layer / run.tp + head_flops, layers)
+        seconds = layout.seconds(block_flops, layers) + head_s
         return (seconds + logits_broadcast_s(gloo, run.batch, arch.vocab_size)) * 1e3
-    cost = rate_at(rates, f"prefill-{run.fmt}", rows)
+    cost = rate_at(rates, engine, rows)
     if cost is None:
         return None
     act_msg = rows * arch.hidden_size * run.act_bytes
-    seconds = cost.seconds(layers * flops_layer / run.tp + head_flops, layers)
+    seconds = cost.seconds(block_flops, layers) + head_s
     seconds += 2 * layers * _message_s(rates, act_msg, run.tp)
     seconds += (run.pp - 1) * _message_s(rates, act_msg, 2)
     if run.offload != "none":  # every streamed block is read once more, as a step reads it

@@ -173,7 +173,7 @@ def decoder_prefill_seconds(decoder: Decoder, rows: int, repeats: int) -> float:
 Timings = dict[str, dict[int, list[tuple[int, float, float]]]]  # engine -> rows -> points
 
 
-def _record(
+def record(
     runs: Timings, engine: str, rows: int, layers: int, amount: float, seconds: float
 ) -> None:
     """Add a timing point; one already taken (same blocks and amount: another round) keeps
@@ -204,7 +204,7 @@ def measure_rates(
     shapes = (NARROW, WIDE)
     params = [matmul_params(s) for s in shapes]  # (blocks, head)
     runs: Timings = {}
-    timed = partial(_record, runs)
+    timed = partial(record, runs)
     try:
         for fmt in [f for _ in range(rounds) for f in FORMATS]:
             note(f"timing the {fmt} engines")

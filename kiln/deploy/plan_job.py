@@ -9,11 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kiln.deploy.architecture import read_architecture
+from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import Measurements
 from kiln.deploy.hardware import Hardware, parse_hardware
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import Plan, Request, plan
+from kiln.models.config import ModelConfig
 
 
 @dataclass
@@ -26,13 +27,15 @@ class PlanResult:
 
 
 def plan_deployment(
-    model: str, hardware: str, request: Request, out: str | None = None
-) -> PlanResult:
+    model: str, hardware: str, request: Request, out: str | None = None,
+    note: Callable[[str], None] = lambda _: None,
+) -> PlanResult:  # fmt: skip
     """Plan ``model`` (a checkpoint or a config file) on ``hardware`` (a spec string or
-    file) for ``request``; with ``out``, write the plan document there."""
+    file) for ``request``; with ``out``, write the plan document there. ``note`` hears
+    what is being measured (a CPU plan times this machine's engines the first time)."""
     arch = read_architecture(model)
     hw = parse_hardware(hardware)
-    result = plan(arch, hw, request, known=measurements(model, hw))
+    result = plan(arch, hw, request, known=measurements(model, hw, note))
     doc = check_plan(plan_to_dict(result, model))
     path = None
     if out:
@@ -78,11 +81,15 @@ def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
 
 
 def measurements(
-    model: str, hw: Hardware, note: Callable[[str], None] = lambda _: None
-) -> Measurements:
+    model: str, hw: Hardware, note: Callable[[str], None] = lambda _: None,
+    per_architecture: bool = True,
+) -> Measurements:  # fmt: skip
     """What kiln can measure for planning ``model`` on ``hw``: the checkpoint's size, and on
     this CPU its engines' measured costs at the thread count of every rank count the plan
-    may use (cached after the first plan; measuring a missing table takes a minute or two)."""
+    may use — the calibration's table (``kiln calibrate``), with every engine re-timed on
+    the model's own blocks and vocabulary (``arch_rates``) unless ``per_architecture`` is
+    off or the model has no shape kiln builds. Both are cached after the first plan;
+    measuring a missing table takes minutes."""
     if hw.device.kind != "cpu":
         return Measurements(checkpoint_bytes(model))
     from kiln.deploy.estimate_cpu import threads_per_rank
@@ -91,7 +98,40 @@ def measurements(
     cores = len(os.sched_getaffinity(0))
     threads = {threads_per_rank(cores, ranks) for ranks in range(1, hw.count + 1)}
     rates = {t: load_rates(t, note=note) for t in sorted(threads, reverse=True)}
+    cfg = read_architecture(model).config if per_architecture else None
+    if cfg is not None and probe_fits(cfg, note):
+        from kiln.deploy.arch_rates import load_arch_rates, with_layouts
+
+        rates = {t: with_layouts(table, load_arch_rates(cfg, t, cores, note))
+                 for t, table in rates.items()}  # fmt: skip
     return Measurements(checkpoint_bytes(model), rates, cores)
+
+
+def probe_fits(cfg: ModelConfig, note: Callable[[str], None]) -> bool:
+    """Whether timing ``cfg``'s blocks here leaves room: the larger fp32 probe (its head
+    included) within a third of the memory available now. Otherwise the plan is
+    priced with the calibration's shapes alone, and ``note`` says so."""
+    from kiln.deploy.arch_rates import probe_config, probe_layers
+
+    probe = Architecture.from_model_config(probe_config(cfg, max(probe_layers(cfg))), "", "")
+    need, have = 4 * probe.total_params, _available_bytes()
+    if need <= have / 3:
+        return True
+    note(f"not timing this model's blocks: its probe needs {need / 1e9:.1f} GB of the "
+         f"{have / 1e9:.1f} GB available; priced with the calibration's shapes")  # fmt: skip
+    return False
+
+
+def _available_bytes() -> int:
+    """MemAvailable of /proc/meminfo (physical memory where the kernel does not say)."""
+    try:
+        with open("/proc/meminfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def request_from_plan(

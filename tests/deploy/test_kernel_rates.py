@@ -183,8 +183,8 @@ def test_a_layout_timed_launched_is_priced_by_its_own_engine() -> None:
 
 def test_a_point_timed_in_two_rounds_keeps_the_faster() -> None:
     runs: kernel_rates.Timings = {}
-    kernel_rates._record(runs, "fast-int8", 1, 24, 3e8, 0.012)
-    kernel_rates._record(runs, "fast-int8", 1, 4, 5e8, 0.020)
-    kernel_rates._record(runs, "fast-int8", 1, 24, 3e8, 0.010)  # the same point, a later round
-    kernel_rates._record(runs, "fast-int8", 1, 4, 5e8, 0.025)
+    kernel_rates.record(runs, "fast-int8", 1, 24, 3e8, 0.012)
+    kernel_rates.record(runs, "fast-int8", 1, 4, 5e8, 0.020)
+    kernel_rates.record(runs, "fast-int8", 1, 24, 3e8, 0.010)  # the same point, a later round
+    kernel_rates.record(runs, "fast-int8", 1, 4, 5e8, 0.025)
     assert runs == {"fast-int8": {1: [(24, 3e8, 0.010), (4, 5e8, 0.020)]}}
