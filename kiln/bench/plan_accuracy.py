@@ -10,15 +10,22 @@ predicted memory was ever more than 5% below the measured peak, and whether an e
 plan exceeded its RAM limit (docs/benchmarks.md, "Large-model measurements").
 
     python -m kiln.bench.plan_accuracy [--only smollm2,qwen2-0.5b] [--prompt-len 64]
+    python -m kiln.bench.plan_accuracy --rescore results/plan-accuracy-....json
+
+Each plan is also priced from the calibration's two shapes alone (``per_architecture``
+off: without timing the model's own blocks) against the same runs, the A/B of
+``kiln.deploy.arch_rates``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kiln.bench import RESULTS_DIR, system
@@ -77,6 +84,24 @@ def checkpoint_of(model: str) -> str:
     return str(random_checkpoint(model))
 
 
+def predict(
+    p: PlanSpec, prompt_len: int, gen_len: int, per_architecture: bool = True
+) -> tuple[Any, dict[str, Any]]:
+    """The planner's candidate for plan ``p`` (its estimate, feasibility and memory limit)
+    and the layout ``measure`` executes. ``per_architecture`` off: priced from the
+    calibration's two shapes alone, without timing the model's own blocks (the A/B)."""
+    path = checkpoint_of(p.model)
+    arch, hw = read_architecture(path), parse_hardware(p.spec)
+    known = measurements(path, hw, note=print, per_architecture=per_architecture)
+    lay = Layout(FORMATS[p.fmt], p.tp * p.pp, p.tp, p.pp, p.batch, prompt_len, gen_len,
+                 p.offload, activation_bytes(hw, p.fmt))  # fmt: skip
+    cand = evaluate(arch, hw, lay, Request(batch=p.batch, prompt_len=prompt_len,
+                                           gen_len=gen_len), known)  # fmt: skip
+    layout = {"tp": p.tp, "pp": p.pp, "batch": p.batch, "offload": p.offload,
+              "stage_layers": list(cand.estimate.stages)}  # fmt: skip
+    return cand, layout
+
+
 def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -> dict[str, Any]:
     """Predict every plan, then execute all of them ``rounds`` times in turn (co-tenants on
     this shared host slow a run by up to ~30%, in bursts of minutes): each plan's fastest
@@ -84,17 +109,9 @@ def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -
     rows: list[dict[str, Any]] = []
     runs: list[tuple[str, dict[str, Any], str, list[Measured]]] = []
     for p in plans:
-        path = checkpoint_of(p.model)
-        arch, hw = read_architecture(path), parse_hardware(p.spec)
-        known = measurements(path, hw, note=print)
-        lay = Layout(FORMATS[p.fmt], p.tp * p.pp, p.tp, p.pp, p.batch, prompt_len, gen_len,
-                     p.offload, activation_bytes(hw, p.fmt))  # fmt: skip
-        cand = evaluate(arch, hw, lay, Request(batch=p.batch, prompt_len=prompt_len,
-                                               gen_len=gen_len), known)  # fmt: skip
+        cand, layout = predict(p, prompt_len, gen_len)
         est = cand.estimate
-        layout = {"tp": p.tp, "pp": p.pp, "batch": p.batch, "offload": p.offload,
-                  "stage_layers": list(est.stages)}  # fmt: skip
-        runs.append((path, layout, p.fmt, []))
+        runs.append((checkpoint_of(p.model), layout, p.fmt, []))
         rows.append({
             "plan": p.describe(), "hardware": p.spec,
             "fits": cand.feasible, "memory_limit_bytes": est.device_memory_bytes,
@@ -115,26 +132,47 @@ def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -
         row["runs"] = [{"ms_per_token": g.ms_per_token, "ttft_ms": g.ttft_ms,
                         "peak_bytes": g.peak_rss_bytes} for g in got]  # fmt: skip
         row["decode_spread"] = max(ms) / min(ms) - 1
+    cpu = system.cpu_info()
+    result = {"kind": "plan-accuracy", "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
+              "versions": system.versions(), "prompt_len": prompt_len, "gen_len": gen_len,
+              "rounds": rounds, "rows": rows}  # fmt: skip
+    return score(result, plans)
+
+
+def score(result: dict[str, Any], plans: Sequence[PlanSpec]) -> dict[str, Any]:
+    """Errors and summary of ``result``'s rows (one per plan of ``plans``, measured), and
+    beside them the calibration-only prices of the same plans against the same runs."""
+    rows = result["rows"]
+    for p, row in zip(plans, rows, strict=True):
         row["error"] = {k: row["predicted"][k] / row["measured"][k] - 1 for k in row["measured"]}
+        est = predict(p, result["prompt_len"], result["gen_len"], per_architecture=False)[0]
+        base = {"ms_per_token": est.estimate.ms_per_token, "ttft_ms": est.estimate.ttft_ms}
+        row["calibration_only"] = {k: {"predicted": v, "error": v / row["measured"][k] - 1}
+                                   for k, v in base.items()}  # fmt: skip
     summary: dict[str, Any] = {}
     for k in ("ms_per_token", "ttft_ms", "peak_bytes"):
-        errs = [abs(r["error"][k]) for r in rows]
-        summary[k] = {"median_abs_error": statistics.median(errs), "max_abs_error": max(errs)}
+        summary[k] = _spread([abs(r["error"][k]) for r in rows])
+    summary["calibration_only"] = {
+        k: _spread([abs(r["calibration_only"][k]["error"]) for r in rows])
+        for k in ("ms_per_token", "ttft_ms")
+    }
     summary["memory_under_predicted_over_5pct"] = [
         r["plan"] for r in rows if r["error"]["peak_bytes"] < -0.05
     ]
     summary["over_memory_limit"] = [
         r["plan"] for r in rows if r["measured"]["peak_bytes"] > r["memory_limit_bytes"]
     ]
-    cpu = system.cpu_info()
-    return {"kind": "plan-accuracy", "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
-            "versions": system.versions(), "prompt_len": prompt_len, "gen_len": gen_len,
-            "rounds": rounds,
-            "rows": rows, "summary": summary}  # fmt: skip
+    result["summary"] = summary
+    return result
+
+
+def _spread(errors: list[float]) -> dict[str, float]:
+    return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
 
 
 def markdown(result: dict[str, Any]) -> str:
     cpu = result["cpu"]
+    rescored = result.get("rescored")
     lines = [
         f"Planner predictions vs execution, {cpu['name']} ({'AVX-512' if cpu['avx512f'] else 'AVX2'}), "
         f"{result['date']}: prompt {result['prompt_len']}, {result['gen_len']} new tokens, greedy; "
@@ -142,7 +180,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"are their published configs with random weights. Every plan executed "
         f"{result.get('rounds', 1)} times, the plans in turn: measured = the fastest decode and "
         "first token, the largest peak; spread = slowest / fastest decode run - 1 (this "
-        "host's co-tenants).",
+        "host's co-tenants)."
+        + (
+            f" Predictions re-priced on {rescored} from the tables cached then." if rescored else ""
+        ),
         "",
         "| plan | engine | ms/token pred / meas | err | spread | TTFT ms pred / meas | err | peak GB pred / meas | err |",
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -159,6 +200,17 @@ def markdown(result: dict[str, Any]) -> str:
     lines += ["", "| figure | median abs error | worst |", "| --- | ---: | ---: |"]
     for k in ("ms_per_token", "ttft_ms", "peak_bytes"):
         lines.append(f"| {k} | {s[k]['median_abs_error']:.1%} | {s[k]['max_abs_error']:.1%} |")
+    base = s.get("calibration_only")
+    if base:
+        lines.append("")
+        lines.append(
+            "The same plans priced from the calibration's two shapes alone (without timing "
+            "the model's own blocks), against the same runs: ms_per_token median "
+            f"{base['ms_per_token']['median_abs_error']:.1%} (worst "
+            f"{base['ms_per_token']['max_abs_error']:.1%}), ttft_ms median "
+            f"{base['ttft_ms']['median_abs_error']:.1%} (worst "
+            f"{base['ttft_ms']['max_abs_error']:.1%})."
+        )
     under, over = s["memory_under_predicted_over_5pct"], s["over_memory_limit"]
     lines.append("")
     lines.append(
@@ -175,9 +227,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="executions of every plan, in turn")
     p.add_argument("--out", default=str(RESULTS_DIR))
+    p.add_argument("--rescore", default="", metavar="FILE",
+                   help="price the plans of a result file again from this machine's "
+                        "cached tables (no execution: the runs stay) and rewrite it")  # fmt: skip
     args = p.parse_args(argv)
     keep = {m for m in args.only.split(",") if m}
     plans = [p for p in PLANS if not keep or p.model in keep]
+    if args.rescore:
+        path = Path(args.rescore)
+        result = json.loads(path.read_text(encoding="utf-8"))
+        by_name = {p.describe(): p for p in PLANS}
+        plans = [by_name[row["plan"]] for row in result["rows"]]
+        for plan, row in zip(plans, result["rows"], strict=True):
+            est = predict(plan, result["prompt_len"], result["gen_len"])[0].estimate
+            row["predicted"] = {"ms_per_token": est.ms_per_token, "ttft_ms": est.ttft_ms,
+                                "peak_bytes": est.peak_device_bytes}  # fmt: skip
+        result["rescored"] = time.strftime("%Y-%m-%d %H:%M")
+        result = score(result, plans)
+        system.write_result(result, str(path.parent), path.name, markdown(result))
+        print(markdown(result))
+        return 0
     result = run(plans, args.prompt_len, args.gen_len, args.rounds)
     name = f"plan-accuracy-{system.device_slug(result['cpu'])}-{time.strftime('%Y%m%d')}.json"
     system.write_result(result, args.out, name, markdown(result))

@@ -25,7 +25,7 @@ def test_rounds_keep_the_fastest_run_and_report_the_spread(
         return Measured(ms, ttft, 1e3 / ms, int(peak), "fast C++ decode step")
 
     monkeypatch.setattr(bench, "checkpoint_of", lambda model: model)  # a shipped config
-    monkeypatch.setattr(bench, "measurements", lambda path, hw, note: NOTHING_MEASURED)
+    monkeypatch.setattr(bench, "measurements", lambda *_, **__: NOTHING_MEASURED)
     monkeypatch.setattr(bench, "measure", fake_measure)
     result = bench.run([bench.PlanSpec("qwen2-0.5b", "int8", 1)], 64, 8, rounds=3)
     assert calls == [("qwen2-0.5b", "int8")] * 3
@@ -34,5 +34,8 @@ def test_rounds_keep_the_fastest_run_and_report_the_spread(
     assert row["decode_spread"] == pytest.approx(50 / 40 - 1)
     assert row["error"]["ms_per_token"] == pytest.approx(row["predicted"]["ms_per_token"] / 40 - 1)
     assert len(row["runs"]) == 3
+    base = row["calibration_only"]["ms_per_token"]  # the A/B: priced without the probes
+    assert base["error"] == pytest.approx(base["predicted"] / 40 - 1)
+    assert "calibration_only" in result["summary"]
     text = bench.markdown(result)
     assert "executed 3 times" in text and "| 25% |" in text  # the spread column
