@@ -170,12 +170,13 @@ def _names(m: Mapping[str, object]) -> str:
     return ", ".join(m)
 
 
-def _mem_total_bytes(meminfo: str | Path = "/proc/meminfo") -> int:
-    """``MemTotal`` from a /proc/meminfo-format file, in bytes (its "kB" are KiB)."""
+def meminfo_bytes(key: str = "MemTotal", meminfo: str | Path = "/proc/meminfo") -> int:
+    """``key`` (``MemTotal``, ``MemAvailable``, ...) from a /proc/meminfo-format file, in
+    bytes (its "kB" are KiB)."""
     for line in Path(meminfo).read_text(encoding="utf-8").splitlines():
-        if line.startswith("MemTotal:"):
+        if line.startswith(f"{key}:"):
             return int(line.split()[1]) * 1024
-    raise OSError(f"no MemTotal in {meminfo}")
+    raise OSError(f"no {key} in {meminfo}")
 
 
 def this_machine(threads: int = 2, meminfo: str | Path = "/proc/meminfo") -> Device:
@@ -185,7 +186,7 @@ def this_machine(threads: int = 2, meminfo: str | Path = "/proc/meminfo") -> Dev
     from kiln.core.calibrate import load_profile  # torch; only when a cpu spec is read
 
     prof = load_profile(threads)
-    return Device("cpu", "cpu", _mem_total_bytes(meminfo), prof.mem_bw_gbs,
+    return Device("cpu", "cpu", meminfo_bytes("MemTotal", meminfo), prof.mem_bw_gbs,
                   {"fp32": prof.peak_gflops / 1e3}, "shared-memory", 0.0)  # fmt: skip
 
 

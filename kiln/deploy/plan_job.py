@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import Measurements
-from kiln.deploy.hardware import Hardware, parse_hardware
+from kiln.deploy.hardware import Hardware, meminfo_bytes, parse_hardware
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import Plan, Request, plan
 from kiln.models.config import ModelConfig
@@ -114,24 +114,12 @@ def probe_fits(cfg: ModelConfig, note: Callable[[str], None]) -> bool:
     from kiln.deploy.arch_rates import probe_config, probe_layers
 
     probe = Architecture.from_model_config(probe_config(cfg, max(probe_layers(cfg))), "", "")
-    need, have = 4 * probe.total_params, _available_bytes()
+    need, have = 4 * probe.total_params, meminfo_bytes("MemAvailable")
     if need <= have / 3:
         return True
     note(f"not timing this model's blocks: its probe needs {need / 1e9:.1f} GB of the "
          f"{have / 1e9:.1f} GB available; priced with the calibration's shapes")  # fmt: skip
     return False
-
-
-def _available_bytes() -> int:
-    """MemAvailable of /proc/meminfo (physical memory where the kernel does not say)."""
-    try:
-        with open("/proc/meminfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def request_from_plan(
