@@ -31,8 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
-import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from functools import partial
@@ -41,8 +39,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.core.cache import cache_dir
-from kiln.core.hardware import cpu_model
-from kiln.core.native import cpu_flags
 from kiln.deploy.kernel_rates import (
     DECODE_ROWS,
     FORMATS,
@@ -56,6 +52,8 @@ from kiln.deploy.kernel_rates import (
     record,
     step_seconds,
 )
+from kiln.deploy.rank_rates import layouts_of
+from kiln.deploy.rates_table import cpu_key, read_table, write_table
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -258,8 +256,7 @@ def _parse_layout(engine: str) -> tuple[str, int, str] | None:
 
 def arch_rates_path(cfg: ModelConfig, threads: int) -> str:
     """The cache file of ``cfg``'s engines at ``threads`` threads on this CPU."""
-    shape = repr(probe_config(cfg, 1))
-    key = f"{cpu_model()}|{' '.join(cpu_flags())}|{shape}|{torch.__version__}"
+    key = f"{cpu_key()}|{probe_config(cfg, 1)!r}|{torch.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     return str(cache_dir("kernel-rates") / f"arch-v{VERSION}-{digest}-{threads}t.json")
 
@@ -270,23 +267,12 @@ def load_arch_rates(
     """``cfg``'s engines at ``threads`` threads (cached JSON; measured now when missing):
     the fast step where one process has every core, and the shards of the tensor-parallel
     degrees that ``cores // threads`` ranks can form."""
-    from kiln.deploy.rank_rates import layouts_of
-
     path = arch_rates_path(cfg, threads)
-    if os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-            return {e: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
-                    for e, by in raw.items()}  # fmt: skip
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            pass  # a stale or corrupt entry: measure again
+    cached = read_table(path)
+    if cached is not None:
+        return cached
     ranks = max(1, cores // threads)
     shards = tuple(sorted({tp for tp, _ in layouts_of(ranks)}))
     rates = measure_arch_rates(cfg, threads, fast=ranks == 1, shards=shards, note=note)
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()},
-                  f, indent=1)  # fmt: skip
-    os.replace(tmp, path)
+    write_table(path, rates)
     return rates

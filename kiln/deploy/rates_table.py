@@ -20,9 +20,39 @@ from kiln.deploy.kernel_rates import FORMATS, VERSION, Cost, measure_rates
 from kiln.deploy.rank_rates import measure_collective, measure_layouts
 
 
+def cpu_key() -> str:
+    """What names this CPU in a cache key: its model name and ISA flags."""
+    return f"{cpu_model()}|{' '.join(cpu_flags())}"
+
+
 def rates_path(threads: int) -> str:
-    key = hashlib.sha256(f"{cpu_model()}|{' '.join(cpu_flags())}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(cpu_key().encode()).hexdigest()[:12]
     return str(cache_dir("kernel-rates") / f"rates-v{VERSION}-{key}-{threads}t.json")
+
+
+def read_table(path: str) -> dict[str, dict[int, Cost]] | None:
+    """A cached table (engine -> rows -> cost), or None when it is missing, stale or
+    corrupt (then it is measured again)."""
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+        return {
+            engine: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
+            for engine, by in raw.items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
+
+
+def write_table(path: str, rates: dict[str, dict[int, Cost]]) -> None:
+    """Write a table atomically (a reader never sees half of it)."""
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}
+        json.dump(raw_out, f, indent=1)
+    os.replace(tmp, path)
 
 
 def load_rates(
@@ -31,16 +61,9 @@ def load_rates(
     """This CPU's table at ``threads`` threads (cached JSON), measured now when missing
     (a minute or two; ``note`` hears what is being timed)."""
     path = rates_path(threads)
-    if not refresh and os.path.exists(path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-            return {
-                engine: {int(r): Cost(float(c[0]), float(c[1])) for r, c in by.items()}
-                for engine, by in raw.items()
-            }
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError):
-            pass  # a stale or corrupt entry: measure again
+    cached = None if refresh else read_table(path)
+    if cached is not None:
+        return cached
     rates = measure_rates(threads, note)
     note("timing a gloo all-reduce between two ranks")
     gloo = measure_collective(2)
@@ -48,9 +71,5 @@ def load_rates(
     ranks = len(os.sched_getaffinity(0)) // threads  # the ranks that run at this thread count
     if ranks >= 2:
         rates.update(measure_layouts(ranks, FORMATS, gloo, note, one_process=rates))
-    tmp = f"{path}.{os.getpid()}.tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        raw_out = {e: {r: [c.rate, c.layer_s] for r, c in by.items()} for e, by in rates.items()}
-        json.dump(raw_out, f, indent=1)
-    os.replace(tmp, path)
+    write_table(path, rates)
     return rates
