@@ -111,17 +111,22 @@ def _convolution(b: Builder, node: fx.Node) -> str:
 def _transposed_convolution(b: Builder, a: dict[str, Any]) -> str:
     """A transposed conv whose kernel equals its stride (a U-Net's 2x2 stride-2 upsampling,
     no padding, dilation or groups): the output tiles do not overlap, so it is a 1x1 conv
-    to C_out x kernel channels, then each pixel's channels spread over its output tile:
+    to kh x kw x C_out channels (filters ordered tap-major), then each pixel's channels
+    spread over its output tile, written in channels-last order:
 
-        y (B, C_out*kh*kw, H, W) -> (B, C_out, kh, kw, H, W) -> (B, C_out, H, kh, W, kw)
-          -> (B, C_out, H*kh, W*kw)
+        y (B, kh*kw*C_out, H, W) -> (B, H, W, kh, kw, C_out) -> (B, H, kh, W, kw, C_out)
+          -> (B, H*kh, W*kw, C_out), viewed back as (B, C_out, H*kh, W*kw)
 
-    Other transposed convs stay PyTorch calls."""
+    Inside a channels-last region (``channels_last``) the conv already computes
+    (B, H, W, kh*kw*C_out), so the first step is a view and the spreading is the one copy,
+    whose output the region reads without another (a channel-major order would leave the
+    region, convert to NCHW, spread, and convert back: three copies). Other transposed
+    convs stay PyTorch calls."""
     x, w = b.tensor(a["input"]), b.tensor(a["weight"])
-    kernel = b.shape(w)[2:]  # weight (C_in, C_out, *kernel)
+    kernel = tuple(b.shape(w)[2:])  # weight (C_in, C_out, *kernel)
     stride = tuple(int(s) for s in a["stride"])
     plain = (
-        tuple(kernel) == stride
+        kernel == stride
         and all(int(p) == 0 for p in a["padding"])
         and all(int(p) == 0 for p in a["output_padding"])
         and all(int(d) == 1 for d in a["dilation"])
@@ -135,18 +140,20 @@ def _transposed_convolution(b: Builder, a: dict[str, Any]) -> str:
     taps = 1
     for k in kernel:
         taps *= k
-    # weight -> (C_out, *kernel, C_in) -> 1x1 conv filters (C_out * taps, C_in, 1[, 1])
-    wt = b.contiguous(b.permute(w, [1, *range(2, 2 + n), 0]))
-    wt = b.view(wt, (c_out * taps, c_in, *(1,) * n))
+    # weight -> (*kernel, C_out, C_in) -> 1x1 conv filters (taps * C_out, C_in, 1[, 1])
+    wt = b.contiguous(b.permute(w, [*range(2, 2 + n), 1, 0]))
+    wt = b.view(wt, (taps * c_out, c_in, *(1,) * n))
     ones = (1,) * n
     y = b.emit("conv", [x, wt], stride=ones, padding=(0,) * n, dilation=ones, groups=1)
-    spatial = b.shape(x)[2:]
-    batch = b.shape(x)[0]
-    y = b.view(y, (batch, c_out, *kernel, *spatial))
-    # (B, C_out, k0[, k1], s0[, s1]) -> (B, C_out, s0, k0[, s1, k1])
-    order = [0, 1] + [d for i in range(n) for d in (2 + n + i, 2 + i)]
+    spatial, batch = tuple(b.shape(x)[2:]), b.shape(x)[0]
+    y = b.contiguous(b.permute(y, [0, *range(2, 2 + n), 1]))  # (B, *spatial, taps * C_out)
+    y = b.view(y, (batch, *spatial, *kernel, c_out))
+    # (B, s0[, s1], k0[, k1], C_out) -> (B, s0, k0[, s1, k1], C_out)
+    order = [0, *(d for i in range(n) for d in (1 + i, 1 + n + i)), 1 + 2 * n]
     y = b.contiguous(b.permute(y, order))
-    y = b.view(y, (batch, c_out, *(s * k for s, k in zip(spatial, kernel, strict=True))))
+    out_spatial = tuple(s * k for s, k in zip(spatial, kernel, strict=True))
+    y = b.view(y, (batch, *out_spatial, c_out))
+    y = b.permute(y, [0, n + 1, *range(1, n + 1)])  # (B, C_out, *out_spatial), a view
     if a["bias"] is not None:
         bias = b.view(b.tensor(a["bias"]), (1, c_out, *ones))
         y = b.emit("add", [y, bias])

@@ -194,6 +194,36 @@ def test_tiling_max_pools_join_the_region() -> None:
     assert len(permutes) == 2, cl.summary()  # the image in, the result out
 
 
+class UpSkip(nn.Module):
+    """A U-Net decoder step: 2x2 stride-2 transposed conv (bias), concatenated with the
+    encoder's features at that scale, then a 3x3 conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Conv2d(3, 6, 3, padding=1)
+        self.down = nn.Conv2d(6, 12, 3, stride=2, padding=1)
+        self.up = nn.ConvTranspose2d(12, 6, 2, stride=2)
+        self.dec = nn.Conv2d(12, 4, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        e = F.relu(self.enc(x))
+        return self.dec(torch.cat([self.up(F.relu(self.down(e))), e], dim=1))
+
+
+def test_transposed_conv_spreads_its_tiles_with_one_copy() -> None:
+    """Inside a region the upsampling's 1x1 conv computes (N, H, W, 2*2*C) tap-major, so
+    spreading each pixel over its 2x2 tile is the one copy: no conversion to NCHW and back
+    around it (the channel-major lowering took three)."""
+    torch.manual_seed(0)
+    g = _graph(UpSkip(), torch.randn(2, 3, 8, 10))
+    assert [len(r.convs) for r in find_regions(g)] == [4]
+    cl = _rewrite_matches(UpSkip(), torch.randn(2, 3, 8, 10))
+    copies = [n for n in cl.nodes if n.op == "copy"]
+    # the spreading, and the result's conversion out (the stem reads the image in place)
+    shapes = [cl.meta(n.output).shape for n in copies]
+    assert shapes == [(2, 4, 2, 5, 2, 6), (2, 4, 8, 10)], cl.summary()  # (N, H, kh, W, kw, C)
+
+
 def test_conv_free_graph_is_unchanged() -> None:
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
     g = _graph(model, torch.randn(5, 16))
