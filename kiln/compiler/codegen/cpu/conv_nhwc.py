@@ -82,7 +82,7 @@ def pixels_per_block(lanes: int) -> int:
 
 
 def pixel_chunks(pixels: int, px: int, tasks: int, threads: int) -> int:
-    """Pixels per task (a multiple of ``px``): the image's pixels split so that there are
+    """Pixels per task (a multiple of ``px``: a register block, or a row): the image's pixels split so that there are
     about 4 tasks per thread when the ``tasks`` (image, channel block) pairs are fewer,
     each at least ``TASK_PIXELS``."""
     want = -(-4 * threads // tasks) if threads > 1 else 1
@@ -97,9 +97,10 @@ def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     blocks, per, last = channel_blocks(s.c_out, lanes, 2)
     tail = s.c_out - (-(-s.c_out // lanes) - 1) * lanes
     tail_n = None if tail == lanes else tail
-    px = pixels_per_block(lanes)
+    # tasks hold whole output rows where the rows are read row by row (``_pixels``)
+    granule = ow_n if s.x.strides[3] == 1 else pixels_per_block(lanes)
     pixels = oh_n * ow_n
-    chunk = pixel_chunks(pixels, px, s.batch * blocks, threads)
+    chunk = pixel_chunks(pixels, granule, s.batch * blocks, threads)
     chunks = -(-pixels // chunk)
     tasks = s.batch * blocks * chunks
     task_fmas = chunk * kh * kw * s.c_in * per
@@ -130,15 +131,91 @@ def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     return L
 
 
+def row_pixels(out_w: int, lanes: int, vectors: int) -> int:
+    """Pixels of a block that stays on one output row: the size (4 .. 8 on AVX-512, fewer
+    on AVX2 with two channel vectors, within the accumulator registers) that leaves the
+    fewest pixels of a row over, the larger on a tie."""
+    most = min(8, (16 if lanes == 16 else 8) // vectors)
+    sizes = [n for n in range(min(4, most), most + 1) if n <= out_w] or [1]
+    return min(sizes, key=lambda n: (out_w % n, -n))
+
+
 def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]:
-    """Output pixels [m0, m1) (flat over the image) in blocks, then one at a time."""
-    px = pixels_per_block(lanes)
-    L = ["int64_t m = m0;", f"for (; m + {px} <= m1; m += {px}) {{"]
-    L += ["  " + line for line in _block(s, px, nb, tail, lanes)]
+    """Output pixels [m0, m1) (flat over the image). With contiguous input channels, row by
+    row in blocks that stay on one row: a block whose every tap lies inside the image
+    (``_interior``) reads its inputs at fixed offsets from one pointer per tap, a border
+    block takes a pointer per pixel and tap, a row's last pixels run one at a time.
+    Otherwise in blocks over the flat range (a pointer per pixel and tap)."""
+    if s.x.strides[3] != 1:
+        px = pixels_per_block(lanes)
+        L = ["int64_t m = m0;", f"for (; m + {px} <= m1; m += {px}) {{"]
+        L += ["  " + line for line in _block(s, px, nb, tail, lanes)]
+    else:
+        px, ow_n = row_pixels(s.out_hw[1], lanes, nb), s.out_hw[1]
+        L = [
+            "int64_t m = m0;",
+            "while (m < m1) {",
+            f"  const int64_t row_end = std::min<int64_t>(m1, (m / {ow_n} + 1) * {ow_n});",
+            f"  for (; m + {px} <= row_end; m += {px}) {{",
+            f"    if ({_interior(s, px)}) {{",
+        ]
+        L += ["      " + line for line in _interior_block(s, px, nb, tail, lanes)]
+        L += ["    } else {"] + ["      " + line for line in _block(s, px, nb, tail, lanes)]
+        L += ["    }", "  }", "  for (; m < row_end; ++m) {"]
+        L += ["    " + line for line in _block(s, 1, nb, tail, lanes)]
+        L += ["  }"]
     L += ["}", "for (; m < m1; ++m) {"]
     L += ["  " + line for line in _block(s, 1, nb, tail, lanes)]
     L.append("}")
     return L
+
+
+def _interior(s: ConvNhwcSpec, px: int) -> str:
+    """C++ condition: pixels m .. m + px - 1 (on one output row) read no padding."""
+    (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    oh, ow = f"(m / {ow_n})", f"(m % {ow_n})"
+    return (
+        f"{oh} * {sh} >= {ph} && "
+        f"{oh} * {sh} - {ph} + {(kh - 1) * dh} < {ih_n} && {ow} * {sw} >= {pw} && "
+        f"({ow} + {px - 1}) * {sw} - {pw} + {(kw - 1) * dw} < {iw_n}"
+    )
+
+
+def _interior_block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
+    """Pixels m .. m + npx - 1 of one output row, every tap inside the image: pixel p of
+    tap (u, v) reads channels at ``xr + p * stride_w * C`` (contiguous channels)."""
+    (kh, kw), ow_n = s.kernel, s.out_hw[1]
+    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
+    pw_ = panel_width(s.c_out, lanes)
+    k_all = kh * kw * s.c_in
+    sx_h, sx_w = s.x.strides[1], s.x.strides[2]
+    L = [f"const int64_t oh = m / {ow_n}, ow = m % {ow_n};"]
+    L += [f"const int64_t oh{p} = oh, ow{p} = ow + {p};" for p in range(npx)]
+    L.append(f"const float* xb = xn + (oh * {sh} - {ph}) * {sx_h} + (ow * {sw} - {pw}) * {sx_w};")
+    L += [
+        f"kv::V a{p}_{j} = kv::load(bias + c0 + {j * lanes});"
+        for p in range(npx)
+        for j in range(nb)
+    ]
+    L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
+    L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
+    L.append(f"    const float* xr = xb + u * {dh * sx_h} + v * {dw * sx_w};")
+    L.append(f"    const float* wr = wt + cb * {k_all * pw_} + (u * {kw} + v) * {s.c_in * pw_};")
+    L.append(f"    for (int64_t ci = 0; ci < {s.c_in}; ++ci) {{")
+    for line in range(0, nb * lanes * 4, 64):
+        L.append(
+            f"      __builtin_prefetch(wr + (ci + {PREFETCH_ROWS}) * {pw_} + {line // 4}, 0, 3);"
+        )
+    for j in range(nb):
+        L.append(f"      const kv::V w{j} = kv::load(wr + ci * {pw_} + {j * lanes});")
+    for p in range(npx):
+        L.append(f"      {{ const kv::V b = kv::splat(xr[{p * sw * sx_w} + ci]);")
+        for j in range(nb):
+            L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
+        L.append("      }")
+    L += ["    }", "  }", "}"]
+    return L + _stores(s, npx, nb, tail, lanes)
 
 
 def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
@@ -182,6 +259,12 @@ def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> 
             L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
         L.append("      }")
     L += ["    }", "  }", "}"]
+    return L + _stores(s, npx, nb, tail, lanes)
+
+
+def _stores(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
+    """The epilogue of each accumulator a{p}_{j} (pixel p at oh{p}, ow{p})."""
+    L = []
     for p in range(npx):
         for j in range(nb):
             n = str(tail) if tail is not None and j == nb - 1 else None
