@@ -14,7 +14,8 @@ Roofline: ``max(compute, memory) + fixed`` where
   it) + writes of out(k);
 * fixed = one library/PyTorch call for kernels that run as one (conv through
   oneDNN, opaque ops), else one native kernel (a parallel region / a launch); a
-  conv through oneDNN adds ``ONEDNN_CONV_US``.
+  conv through oneDNN adds ``ONEDNN_CONV_US``, and its memory the reorder of its weight
+  (``ONEDNN_WEIGHT_PASSES``).
 
 With a profile that carries ``KernelRates`` (a CPU profile: fitted on kiln's own kernels
 by ``kiln calibrate``, or derived from the quick profile), native ``pointwise``,
@@ -69,6 +70,13 @@ DWCONV_EFFICIENCY = 0.5
 # is added to every conv extern; depthwise convs ran 2.6-47x faster natively and 1x1
 # convs 1.3-3.7x faster as native GEMMs over the shapes measured (suite models' layers).
 ONEDNN_CONV_US = 25.0
+# PyTorch keeps no packed copy of a conv's weight: oneDNN reorders the plain tensor into
+# its blocked layout on every call, one more read and one write of it before the conv
+# reads the copy. Negligible for small filters, it is most of a late ResNet layer's time:
+# a 512-channel 3x3 conv over a 4x4 map (9.4 MB of weights) took 1.4-3.5 ms through
+# PyTorch on an Intel Xeon at 2 threads (a clone of the weight alone 0.6 ms), 0.5 ms as
+# kiln's dconv over a pre-packed weight.
+ONEDNN_WEIGHT_PASSES = 2
 # oneDNN's NCHW depthwise convs run far below GEMM rates: measured 6-20 GFLOP/s (3x3,
 # 28x28 to 112x112 planes, batch 1 and 8), where its GEMMs reach about 210.
 ONEDNN_DEPTHWISE_EFFICIENCY = 0.1
@@ -231,7 +239,12 @@ def estimate(
             compute_us += f / (profile.peak_gflops * eff * 1e3)
         else:
             compute_us += node_flops(n, graph) / (profile.peak_gflops * 1e3)
-    memory_us = candidate_bytes(candidate, graph, lk) / (profile.mem_bw_gbs * 1e3)
+    moved = candidate_bytes(candidate, graph, lk)
+    if candidate.template == "conv":  # the weight's reorder, every call
+        moved += ONEDNN_WEIGHT_PASSES * sum(
+            _nbytes(graph, n.inputs[1]) for n in nodes if n.op == "conv"
+        )
+    memory_us = moved / (profile.mem_bw_gbs * 1e3)
     return max(compute_us, memory_us) + fixed
 
 

@@ -98,6 +98,29 @@ def test_extern_kernels_pay_a_call() -> None:
     assert estimate(c, g, PROFILE) == pytest.approx(5.0 + 2 * 64 / 1e4)
 
 
+def test_a_oneDNN_conv_pays_its_weight_reorder() -> None:
+    """A conv through oneDNN reads and rewrites its plain weight every call
+    (``ONEDNN_WEIGHT_PASSES``) before the conv reads it: a late ResNet layer's 9.4 MB
+    filter makes it memory-bound, where the roofline of its FLOPs alone was not."""
+    import torch
+
+    from kiln.compiler.fusion.cost import ONEDNN_CONV_US, ONEDNN_WEIGHT_PASSES
+
+    g = Graph()
+    x = g.add_input("x", meta(1, 512, 4, 4))
+    w = g.add_constant("w", torch.zeros(512, 512, 3, 3))
+    attrs = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+    g.outputs = [op(g, "conv", (x, w), (1, 512, 4, 4), **attrs)]
+    c = whole(g)
+    assert c.template == "conv"
+    weight = 4 * 512 * 512 * 9
+    moved = 4 * 512 * 16 * 2 + (1 + ONEDNN_WEIGHT_PASSES) * weight  # in, out, weight x 3
+    flops = 2 * 16 * 512 * 512 * 9
+    compute = flops / (100.0 * PROFILE.efficiency(flops) * 1e3)
+    assert moved / 1e4 > compute  # memory-bound by the reorder
+    assert estimate(c, g, PROFILE) == pytest.approx(moved / 1e4 + 5.0 + ONEDNN_CONV_US)
+
+
 def test_fusing_softmax_is_cheaper_than_five_kernels() -> None:
     g = softmax_graph()
     cands = enumerate_candidates(g)
