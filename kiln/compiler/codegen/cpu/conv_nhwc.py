@@ -8,13 +8,16 @@ KH * KW contiguous runs of C_in floats, read in place (no im2col buffer). The we
 is packed once at compile time into one panel per block of ``CB`` output-channel
 vectors, tap-major, (KH, KW, C_in, CB * W) contiguous, so a K step is one row of ``CB``
 weight vectors and a task streams its panel linearly. A register block holds
-``PX`` pixels x ``CB`` output-channel vectors: per K step, ``CB`` weight loads, ``PX``
-broadcasts of input channels, ``PX * CB`` FMAs. Taps in the padding read a zero row
-instead (one pointer per pixel and tap), so the border needs no other code. Tasks are
-(image, output row, output-channel block), run in parallel; pixels past the last full
-block run in a block of their own size. This is what the stem of a CNN wants (3 input
-channels, where oneDNN's NHWC call runs at a fraction of its usual rate); oneDNN stays
-the other choice for every dense conv, and the cost model picks.
+``PX`` pixels of one output row x ``CB`` output-channel vectors (``row_pixels``: 4 to 8
+pixels, the size that divides the row best): per K step, ``CB`` weight loads, ``PX``
+broadcasts of input channels, ``PX * CB`` FMAs. A block whose every tap lies inside the
+image reads pixel p's channels at a fixed offset from one pointer per tap; a border block
+takes one pointer per pixel and tap, a zero row for taps in the padding, so the border
+needs no other code. Tasks are (image, whole output rows, output-channel block), run in
+parallel; a row's pixels past its last full block run one at a time. This is what the
+stem of a CNN wants (3 input channels, read in place from the NCHW image, where oneDNN's
+NHWC call runs at a fraction of its usual rate); oneDNN stays the other choice for every
+dense conv, and the cost model picks.
 """
 
 from __future__ import annotations
@@ -77,10 +80,6 @@ def pack_weights(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torc
     return torch.cat([panels, b]).contiguous()
 
 
-def pixels_per_block(lanes: int) -> int:
-    return 6 if lanes == 16 else 4
-
-
 def pixel_chunks(pixels: int, px: int, tasks: int, threads: int) -> int:
     """Pixels per task (a multiple of ``px``: a register block, or a row): the image's pixels split so that there are
     about 4 tasks per thread when the ``tasks`` (image, channel block) pairs are fewer,
@@ -97,8 +96,7 @@ def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     blocks, per, last = channel_blocks(s.c_out, lanes, 2)
     tail = s.c_out - (-(-s.c_out // lanes) - 1) * lanes
     tail_n = None if tail == lanes else tail
-    # tasks hold whole output rows where the rows are read row by row (``_pixels``)
-    granule = ow_n if s.x.strides[3] == 1 else pixels_per_block(lanes)
+    granule = ow_n  # tasks hold whole output rows (``_pixels`` runs row by row)
     pixels = oh_n * ow_n
     chunk = pixel_chunks(pixels, granule, s.batch * blocks, threads)
     chunks = -(-pixels // chunk)
@@ -141,32 +139,23 @@ def row_pixels(out_w: int, lanes: int, vectors: int) -> int:
 
 
 def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]:
-    """Output pixels [m0, m1) (flat over the image). With contiguous input channels, row by
-    row in blocks that stay on one row: a block whose every tap lies inside the image
-    (``_interior``) reads its inputs at fixed offsets from one pointer per tap, a border
-    block takes a pointer per pixel and tap, a row's last pixels run one at a time.
-    Otherwise in blocks over the flat range (a pointer per pixel and tap)."""
-    if s.x.strides[3] != 1:
-        px = pixels_per_block(lanes)
-        L = ["int64_t m = m0;", f"for (; m + {px} <= m1; m += {px}) {{"]
-        L += ["  " + line for line in _block(s, px, nb, tail, lanes)]
-    else:
-        px, ow_n = row_pixels(s.out_hw[1], lanes, nb), s.out_hw[1]
-        L = [
-            "int64_t m = m0;",
-            "while (m < m1) {",
-            f"  const int64_t row_end = std::min<int64_t>(m1, (m / {ow_n} + 1) * {ow_n});",
-            f"  for (; m + {px} <= row_end; m += {px}) {{",
-            f"    if ({_interior(s, px)}) {{",
-        ]
-        L += ["      " + line for line in _interior_block(s, px, nb, tail, lanes)]
-        L += ["    } else {"] + ["      " + line for line in _block(s, px, nb, tail, lanes)]
-        L += ["    }", "  }", "  for (; m < row_end; ++m) {"]
-        L += ["    " + line for line in _block(s, 1, nb, tail, lanes)]
-        L += ["  }"]
-    L += ["}", "for (; m < m1; ++m) {"]
-    L += ["  " + line for line in _block(s, 1, nb, tail, lanes)]
-    L.append("}")
+    """Output pixels [m0, m1) (flat over the image), row by row in blocks that stay on one
+    row: a block whose every tap lies inside the image (``_interior``) reads its inputs at
+    fixed offsets from one pointer per tap, a border block takes a pointer per pixel and
+    tap, a row's last pixels run one at a time."""
+    px, ow_n = row_pixels(s.out_hw[1], lanes, nb), s.out_hw[1]
+    L = [
+        "int64_t m = m0;",
+        "while (m < m1) {",
+        f"  const int64_t row_end = std::min<int64_t>(m1, (m / {ow_n} + 1) * {ow_n});",
+        f"  for (; m + {px} <= row_end; m += {px}) {{",
+        f"    if ({_interior(s, px)}) {{",
+    ]
+    L += ["      " + line for line in _interior_block(s, px, nb, tail, lanes)]
+    L += ["    } else {"] + ["      " + line for line in _block(s, px, nb, tail, lanes)]
+    L += ["    }", "  }", "  for (; m < row_end; ++m) {"]
+    L += ["    " + line for line in _block(s, 1, nb, tail, lanes)]
+    L += ["  }", "}"]
     return L
 
 
@@ -184,12 +173,14 @@ def _interior(s: ConvNhwcSpec, px: int) -> str:
 
 def _interior_block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
     """Pixels m .. m + npx - 1 of one output row, every tap inside the image: pixel p of
-    tap (u, v) reads channels at ``xr + p * stride_w * C`` (contiguous channels)."""
+    tap (u, v) reads channel ci at ``xr + p * stride_w * sx_w + ci * sx_c`` (an NCHW
+    image read in place has strided channels)."""
     (kh, kw), ow_n = s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
     pw_ = panel_width(s.c_out, lanes)
     k_all = kh * kw * s.c_in
-    sx_h, sx_w = s.x.strides[1], s.x.strides[2]
+    sx_h, sx_w, sx_c = s.x.strides[1], s.x.strides[2], s.x.strides[3]
+    at = "ci" if sx_c == 1 else f"ci * {sx_c}"
     L = [f"const int64_t oh = m / {ow_n}, ow = m % {ow_n};"]
     L += [f"const int64_t oh{p} = oh, ow{p} = ow + {p};" for p in range(npx)]
     L.append(f"const float* xb = xn + (oh * {sh} - {ph}) * {sx_h} + (ow * {sw} - {pw}) * {sx_w};")
@@ -210,7 +201,7 @@ def _interior_block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes:
     for j in range(nb):
         L.append(f"      const kv::V w{j} = kv::load(wr + ci * {pw_} + {j * lanes});")
     for p in range(npx):
-        L.append(f"      {{ const kv::V b = kv::splat(xr[{p * sw * sx_w} + ci]);")
+        L.append(f"      {{ const kv::V b = kv::splat(xr[{p * sw * sx_w} + {at}]);")
         for j in range(nb):
             L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
         L.append("      }")
