@@ -2,8 +2,9 @@
 
 Roofline: ``max(compute, memory) + fixed`` where
 
-* compute = GEMM/conv FLOPs / (peak x efficiency of the GEMM's shape class, or
-  ``ONEDNN_DEPTHWISE_EFFICIENCY`` for a depthwise conv through oneDNN)
+* compute = GEMM/conv FLOPs / (peak x efficiency of the GEMM's shape class, times
+  ``ONEDNN_CONV_EFFICIENCY`` for a dense conv through oneDNN, or
+  ``ONEDNN_DEPTHWISE_EFFICIENCY`` for a depthwise one)
   + other FLOPs / peak (about 1 per pointwise element, more for transcendentals);
   a native depthwise conv (``dwconv``) counts 2 x taps per output with every output
   row rounded up to whole vectors, at ``DWCONV_EFFICIENCY`` of peak; a native dense
@@ -80,6 +81,12 @@ ONEDNN_WEIGHT_PASSES = 2
 # oneDNN's NCHW depthwise convs run far below GEMM rates: measured 6-20 GFLOP/s (3x3,
 # 28x28 to 112x112 planes, batch 1 and 8), where its GEMMs reach about 210.
 ONEDNN_DEPTHWISE_EFFICIENCY = 0.1
+# oneDNN's dense convs called through PyTorch run below the GEMM rate of their size: the
+# extern convs of the suite measured 0.6x the roofline's time-rate on an AMD EPYC (Zen 4,
+# median of 10), and 3x3 NHWC convs of 16-512 channels ran at 18-126 GFLOP/s on an Intel
+# Xeon where kiln's GEMMs reach 291 (a 1x1 16 -> 96 conv over 56x56 took 309 µs, priced
+# 62). Half the GEMM efficiency of its size.
+ONEDNN_CONV_EFFICIENCY = 0.5
 # The native dense channels-last conv (codegen/cpu/conv_nhwc.py, a direct implicit GEMM),
 # measured on Zen 5 with 2 threads against oneDNN on ResNet-18 and style-transfer layers
 # (3x3, 7..28 px, 32-256 channels): 0.9-1.2x oneDNN's rate (136-228 GFLOP/s), and 2-5x
@@ -236,6 +243,8 @@ def estimate(
             eff = profile.efficiency(f)
             if n.op == "conv" and is_depthwise_conv(graph, n):
                 eff = ONEDNN_DEPTHWISE_EFFICIENCY
+            elif n.op == "conv" and candidate.template == "conv":
+                eff *= ONEDNN_CONV_EFFICIENCY
             compute_us += f / (profile.peak_gflops * eff * 1e3)
         else:
             compute_us += node_flops(n, graph) / (profile.peak_gflops * 1e3)

@@ -121,6 +121,24 @@ def test_a_oneDNN_conv_pays_its_weight_reorder() -> None:
     assert estimate(c, g, PROFILE) == pytest.approx(moved / 1e4 + 5.0 + ONEDNN_CONV_US)
 
 
+def test_a_oneDNN_conv_runs_below_the_gemm_rate() -> None:
+    """A compute-bound dense conv through oneDNN is priced at ``ONEDNN_CONV_EFFICIENCY``
+    of the GEMM efficiency of its size (what the suite's extern convs measured)."""
+    import torch
+
+    from kiln.compiler.fusion.cost import ONEDNN_CONV_EFFICIENCY, ONEDNN_CONV_US
+
+    g = Graph()
+    x = g.add_input("x", meta(1, 64, 28, 28))
+    w = g.add_constant("w", torch.zeros(64, 64, 3, 3))
+    attrs = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+    g.outputs = [op(g, "conv", (x, w), (1, 64, 28, 28), **attrs)]
+    flops = 2 * 784 * 64 * 64 * 9
+    compute = flops / (100.0 * PROFILE.efficiency(flops) * ONEDNN_CONV_EFFICIENCY * 1e3)
+    assert compute > 4 * (2 * 64 * 784 + 3 * 64 * 64 * 9) / 1e4  # not memory-bound
+    assert estimate(whole(g), g, PROFILE) == pytest.approx(compute + 5.0 + ONEDNN_CONV_US)
+
+
 def test_fusing_softmax_is_cheaper_than_five_kernels() -> None:
     g = softmax_graph()
     cands = enumerate_candidates(g)
