@@ -173,3 +173,31 @@ def test_overlapping_transposed_conv_falls_back_with_the_reason() -> None:
     ]
     with torch.no_grad():
         assert_close_to_reference(compiled(x), module(x), rtol_to_max=1e-5)
+
+
+class Upsamples(nn.Module):
+    """Nearest upsampling by whole factors (2x, and 3 x 2 given as an output size), and a
+    bilinear one kiln leaves to PyTorch."""
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return (
+            F.interpolate(x, scale_factor=2.0, mode="nearest"),
+            F.interpolate(x, size=(3 * x.shape[2], 2 * x.shape[3]), mode="nearest"),
+            F.interpolate(x, scale_factor=2.0, mode="bilinear"),
+        )
+
+
+def test_nearest_upsampling_is_two_native_index_selects() -> None:
+    x = torch.randn(2, 5, 6, 7)
+    result = capture(Upsamples(), (x,))
+    ops = [n.op for n in result.graph.nodes]
+    assert ops.count("index_select") == 4 and ops.count("opaque") == 1  # bilinear: torch
+    with torch.no_grad():
+        expected = Upsamples()(x)
+    got = result.unflatten(run_graph(result.graph, [x]))
+    for g, e in zip(got[:2], expected[:2], strict=True):
+        assert torch.equal(g, e)  # pure data movement: exact
+    compiled = kiln.compile(Upsamples(), (x,))
+    assert [f.op for f in compiled.report.fallbacks] == ["aten.upsample_bilinear2d.vec"]
+    for g, e in zip(compiled(x), expected, strict=True):
+        assert_close_to_reference(g, e, rtol_to_max=1e-6)
