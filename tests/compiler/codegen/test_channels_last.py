@@ -150,6 +150,12 @@ def test_dense_nhwc_model(vector_isa: str) -> None:
         (16, 21, (9, 11), (3, 3), 1, 2, 2, False),  # ragged C_out, dilation
         (24, 40, (8, 7), (1, 1), 2, 0, 1, False),  # 1x1 stride 2 (not a GEMM)
         (5, 9, (1, 30), (1, 5), 1, 2, 1, False),  # 1-D as one row
+        # few outputs (conv_narrow: vectorised along C_in): an RGB output layer's 9x9,
+        # one output at stride 2, dilation, 1-D
+        (32, 3, (12, 13), (9, 9), 1, 4, 1, False),
+        (16, 1, (9, 11), (3, 3), 2, 1, 1, False),
+        (48, 4, (7, 10), (3, 3), 1, 2, 2, False),
+        (16, 2, (1, 30), (1, 5), 1, 2, 1, False),
     ],
 )
 def test_dense_nhwc_kernel(
@@ -164,7 +170,8 @@ def test_dense_nhwc_kernel(
     vector_isa: str,
 ) -> None:
     """The ``dconv`` template alone (forced: the cost model may prefer oneDNN for some
-    shapes): conv + bias, then a residual-style add of a per-channel constant and ReLU."""
+    shapes): conv + bias, then a residual-style add of a per-channel constant and ReLU;
+    with few outputs and whole vectors of inputs, the narrow kernel."""
     torch.manual_seed(0)
     g = Graph()
     n, (h, w) = 2, hw
@@ -194,6 +201,9 @@ def test_dense_nhwc_kernel(
     kernel = Kernel("dconv", ("c", "a", "r"), tuple(g.outputs), (g.inputs[0],))
     compiled = compile_graph(g, CompileOptions(), kernels=[kernel])
     assert compiled.report.kernels[0].executor == "native", compiled.report.fallbacks
+    source = compiled.native_program.source if compiled.native_program else ""
+    narrow = c_out <= 4 and c_in % (16 if vector_isa == "avx512" else 8) == 0
+    assert ("conv_narrow emitted" in source) == narrow
     inputs = [torch.randn(g.meta(g.inputs[0]).shape)]
     assert_close_to_reference(compiled.run_flat(inputs), run_graph(g, inputs))
 

@@ -188,3 +188,24 @@ def test_cost_is_device_neutral() -> None:
     assert nbytes == 2 * 64 * 128 * 4
     # memory-bound: 17 flop/elem * 8192 elem at 5e7 flop/µs is below 65536 B at 3e6 B/µs
     assert estimate(c, g, gpu) == pytest.approx(3.0 + nbytes / 3e6)
+
+
+def test_dconv_work_rounds_outputs_to_vectors_unless_narrow() -> None:
+    """The ``dconv`` kernel puts output channels in the lanes (20 outputs: 32 lanes of
+    work on AVX-512); with at most 4 outputs over whole vectors of inputs it runs
+    vectorised along C_in (``conv_narrow``), its exact FLOPs."""
+    import torch
+
+    from kiln.compiler.fusion.cost import dconv_flops, gemm_flops
+
+    for c_out, want_lanes in ((20, 32), (3, 3)):
+        g = Graph()
+        x = g.add_input("x", meta(1, 6, 6, 32))
+        w = g.add_constant("w", torch.zeros(c_out, 32, 3, 3))
+        attrs = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+        y = op(g, "conv", (x, w), (1, 6, 6, c_out), **attrs, channels_last=True)
+        node = g.nodes[-1]
+        assert node.output == y
+        exact = gemm_flops(node, g)
+        assert exact == 2 * 36 * c_out * 32 * 9
+        assert dconv_flops(node, g, 16) == pytest.approx(exact / c_out * want_lanes)

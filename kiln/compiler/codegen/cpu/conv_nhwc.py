@@ -22,40 +22,21 @@ dense conv, and the cost model picks.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from kiln.compiler.codegen.cpu.conv_narrow import emit_conv_narrow, is_narrow, pack_narrow
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, pixel_chunks
 from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_epilogue
 from kiln.compiler.codegen.cpu.dwconv_nhwc import (
-    NhwcEpilogue,
     channel_blocks,
     epilogue,
 )
-from kiln.compiler.codegen.cpu.emit import Operand
 from kiln.compiler.fusion.convs import is_dense_nhwc_conv
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Node
 
 MIN_TASK_FMAS = 1 << 12  # vector FMAs a parallel chunk holds at least
 PREFETCH_ROWS = 16  # weight rows (K steps) fetched ahead
-TASK_PIXELS = 48  # output pixels a task holds at least (each task streams its weights)
-
-
-@dataclass(frozen=True)
-class ConvNhwcSpec:
-    batch: int
-    c_in: int
-    c_out: int
-    in_hw: tuple[int, int]
-    out_hw: tuple[int, int]
-    kernel: tuple[int, int]
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
-    x: Operand  # strides (n, h, w, c)
-    weights: str  # C++ pointer: ``pack_weights``' panels, then the biases
-    epi: NhwcEpilogue
 
 
 def panel_width(c_out: int, lanes: int) -> int:
@@ -78,15 +59,6 @@ def pack_weights(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torc
     if bias is not None:
         b[:c_out] = bias.float().reshape(-1)
     return torch.cat([panels, b]).contiguous()
-
-
-def pixel_chunks(pixels: int, px: int, tasks: int, threads: int) -> int:
-    """Pixels per task (a multiple of ``px``: a register block, or a row): the image's pixels split so that there are
-    about 4 tasks per thread when the ``tasks`` (image, channel block) pairs are fewer,
-    each at least ``TASK_PIXELS``."""
-    want = -(-4 * threads // tasks) if threads > 1 else 1
-    chunk = max(-(-pixels // want), TASK_PIXELS)
-    return min(-(-chunk // px) * px, -(-pixels // px) * px)
 
 
 def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
@@ -140,7 +112,7 @@ def row_pixels(out_w: int, lanes: int, vectors: int) -> int:
 
 def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]:
     """Output pixels [m0, m1) (flat over the image), row by row in blocks that stay on one
-    row: a block whose every tap lies inside the image (``_interior``) reads its inputs at
+    row: a block whose every tap lies inside the image (``interior``) reads its inputs at
     fixed offsets from one pointer per tap, a border block takes a pointer per pixel and
     tap, a row's last pixels run one at a time."""
     px, ow_n = row_pixels(s.out_hw[1], lanes, nb), s.out_hw[1]
@@ -149,7 +121,7 @@ def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]
         "while (m < m1) {",
         f"  const int64_t row_end = std::min<int64_t>(m1, (m / {ow_n} + 1) * {ow_n});",
         f"  for (; m + {px} <= row_end; m += {px}) {{",
-        f"    if ({_interior(s, px)}) {{",
+        f"    if ({interior(s, px)}) {{",
     ]
     L += ["      " + line for line in _interior_block(s, px, nb, tail, lanes)]
     L += ["    } else {"] + ["      " + line for line in _block(s, px, nb, tail, lanes)]
@@ -157,18 +129,6 @@ def _pixels(s: ConvNhwcSpec, nb: int, tail: int | None, lanes: int) -> list[str]
     L += ["    " + line for line in _block(s, 1, nb, tail, lanes)]
     L += ["  }", "}"]
     return L
-
-
-def _interior(s: ConvNhwcSpec, px: int) -> str:
-    """C++ condition: pixels m .. m + px - 1 (on one output row) read no padding."""
-    (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
-    (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    oh, ow = f"(m / {ow_n})", f"(m % {ow_n})"
-    return (
-        f"{oh} * {sh} >= {ph} && "
-        f"{oh} * {sh} - {ph} + {(kh - 1) * dh} < {ih_n} && {ow} * {sw} >= {pw} && "
-        f"({ow} + {px - 1}) * {sw} - {pw} + {(kw - 1) * dw} < {iw_n}"
-    )
 
 
 def _interior_block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
@@ -276,10 +236,13 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
     x = nhwc_4d(gen.operand(conv.inputs[0], x_shape))  # any channel stride: read as scalars
     w_name, b_name = conv.inputs[1], conv.inputs[2] if len(conv.inputs) > 2 else None
 
+    narrow = is_narrow(x_shape[-1], out_shape[-1], lanes, x.strides[3])
+
     def packed() -> torch.Tensor:
         w = g.constants[w_name]
         bias = g.constants[b_name] if b_name is not None else None
-        return pack_weights(w if w.dim() == 4 else w.unsqueeze(2), bias, lanes)
+        pack = pack_narrow if narrow else pack_weights
+        return pack(w if w.dim() == 4 else w.unsqueeze(2), bias, lanes)
 
     a = conv.attrs
     spec = ConvNhwcSpec(
@@ -293,7 +256,11 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
         padding=as_2d(a["padding"], 0),
         dilation=as_2d(a["dilation"], 1),
         x=x,
-        weights=gen.prepared_param(("conv_nhwc", w_name, b_name, lanes), packed),
+        weights=gen.prepared_param(
+            ("conv_narrow" if narrow else "conv_nhwc", w_name, b_name, lanes), packed
+        ),
         epi=nhwc_epilogue(gen, k, nodes),
     )
+    if narrow:  # few output channels: vectorised along the input channels
+        return emit_conv_narrow(spec, lanes, gen.threads)
     return emit_conv_nhwc(spec, lanes, gen.threads)
