@@ -6,13 +6,16 @@
 * ``drop_unit_reduction_dims``: reducing over a size-1 dim is a no-op; dropping it
   lets instance norm (a batch-statistics batch norm over (0, 2, 3) with batch 1)
   use the fused row kernel, whose reduced dims must be trailing.
+* ``merge_index_selects``: gathers with constant indices along the same dim compose
+  into one (nearest upsampling then reflection padding, each two gathers along H and W,
+  become one along H and one along W).
 """
 
 from __future__ import annotations
 
 import torch
 
-from kiln.compiler.ir.graph import Graph, Node
+from kiln.compiler.ir.graph import Graph, Node, TensorMeta
 
 
 def _consumers(graph: Graph) -> dict[str, list[Node]]:
@@ -151,4 +154,51 @@ def sink_unit_views(graph: Graph) -> Graph:
             n.op, n.inputs, n.attrs = "view", (name,), {"shape": s}
             i += 1
             break
+    return graph
+
+
+def _gather(graph: Graph, n: Node | None, users: dict[str, list[Node]]) -> torch.Tensor | None:
+    """The constant indices of ``n`` if it is an ``index_select`` whose output feeds one
+    node and is not a graph output (so it may be rewritten), else None."""
+    if n is None or n.op != "index_select" or not graph.is_constant(n.inputs[1]):
+        return None
+    if len(users[n.output]) != 1 or n.output in graph.outputs:
+        return None
+    return graph.constants[n.inputs[1]]
+
+
+def _dim(graph: Graph, n: Node) -> int:
+    return int(n.attrs["dim"]) % len(graph.meta(n.inputs[0]).shape)
+
+
+def merge_index_selects(graph: Graph) -> Graph:
+    """Compose ``index_select``s with constant indices. Along one dim,
+    ``sel(sel(x, d, i), d, j) = sel(x, d, i[j])``; gathers along different dims commute,
+    so ``sel(sel(sel(x, d, i), e, k), d, j)`` becomes ``sel(sel(x, d, i[j]), e, k)``. The
+    gathers left without readers go with dead-code elimination."""
+    users = _consumers(graph)
+    for n in list(graph.nodes):
+        if n.op != "index_select" or not graph.is_constant(n.inputs[1]):
+            continue
+        j, d = graph.constants[n.inputs[1]], _dim(graph, n)
+        p = graph.producer(n.inputs[0])
+        i = _gather(graph, p, users)
+        if p is None or i is None:
+            continue
+        if _dim(graph, p) == d:  # one gather: x[i][j]
+            n.inputs = (p.inputs[0], graph.add_constant(f"{n.name}_merged", i[j].contiguous()))
+        else:
+            q = graph.producer(p.inputs[0])
+            k = _gather(graph, q, users)
+            if q is None or k is None or _dim(graph, q) != d:
+                continue
+            # p gathers x along d (composed), n gathers p's output along p's old dim
+            e, x = _dim(graph, p), q.inputs[0]
+            shape = list(graph.meta(x).shape)
+            shape[d] = len(j)
+            graph.values[p.output].meta = TensorMeta(tuple(shape), graph.meta(x).dtype)
+            merged = graph.add_constant(f"{p.name}_merged", k[j].contiguous())
+            n.inputs, n.attrs = (p.output, p.inputs[1]), {**n.attrs, "dim": e}
+            p.inputs, p.attrs = (x, merged), {**p.attrs, "dim": d}
+        users = _consumers(graph)
     return graph

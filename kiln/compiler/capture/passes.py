@@ -226,6 +226,7 @@ def optimize(graph: Graph) -> Graph:
     from kiln.compiler.capture.fold import (
         drop_unit_reduction_dims,
         fold_conv_affine,
+        merge_index_selects,
         sink_unit_views,
     )
 
@@ -236,6 +237,7 @@ def optimize(graph: Graph) -> Graph:
     graph = canonicalize_views(graph)
     graph = eliminate_common_subexpressions(graph)
     graph = fold_conv_affine(graph)
+    graph = merge_index_selects(graph)
     graph = drop_unit_reduction_dims(graph)
     graph = canonicalize_views(sink_unit_views(graph))
     graph = eliminate_dead_code(graph)

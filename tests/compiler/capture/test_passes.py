@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.capture import fallback_report
+from kiln.compiler.capture import capture, fallback_report
 from kiln.compiler.capture.passes import (
     canonicalize_views,
     eliminate_common_subexpressions,
@@ -174,3 +174,20 @@ def test_optimize_pipeline_validates() -> None:
     assert len(out.constants) == 1
     inputs = [torch.randn(2, 4)]
     assert_close_to_reference(run_graph(out, inputs), run_graph(g, inputs))
+
+
+def test_gathers_compose_along_each_dim() -> None:
+    """Nearest 2x upsampling then reflection padding: four gathers with constant indices
+    (H, W, H, W) become one along H and one along W, exactly."""
+
+    class UpPad(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            up = torch.nn.functional.interpolate(x, scale_factor=2.0, mode="nearest")
+            return torch.nn.functional.pad(up, (1, 2, 2, 1), mode="reflect")
+
+    x = torch.randn(2, 3, 5, 6)
+    result = capture(UpPad(), (x,))
+    gathers = [n for n in result.graph.nodes if n.op == "index_select"]
+    assert sorted(n.attrs["dim"] % 4 for n in gathers) == [2, 3], result.graph.summary()
+    got = result.unflatten(run_graph(result.graph, [x]))
+    assert torch.equal(got, UpPad()(x))
