@@ -122,6 +122,14 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
+def _unviewed(graph: Graph, v: str, u: tuple[int, ...]) -> str:
+    """The source of ``v`` if ``v`` is a view of a ``u``-shaped value, else ``v``."""
+    p = graph.producer(v)
+    if p is not None and p.op == "view" and graph.meta(p.inputs[0]).shape == u:
+        return p.inputs[0]
+    return v
+
+
 def sink_unit_views(graph: Graph) -> Graph:
     """pointwise(view(u), ...) where the view only adds or drops size-1 dims becomes
     view(pointwise(u, ...)): the op runs in u's shape, so it can join u's kernel (a
@@ -142,12 +150,18 @@ def sink_unit_views(graph: Graph) -> Graph:
             u = graph.meta(p.inputs[0]).shape
             if u == s or _squeeze(u) != _squeeze(s):
                 continue
-            others = [w for j, w in enumerate(n.inputs) if j != pos_]
-            if not all(_same_elements(graph.meta(w).shape, s, u) for w in others):
+            # other operands: a unit view of a u-shaped value reads that value itself
+            # (both halves of x * erf(x) sunk: the product joins them), else broadcast
+            ins = [
+                p.inputs[0] if j == pos_ else _unviewed(graph, w, u) for j, w in enumerate(n.inputs)
+            ]
+            others = [w for j, w in enumerate(ins) if j != pos_]
+            if not all(graph.meta(w).shape == u or _same_elements(graph.meta(w).shape, s, u)
+                       for w in others):  # fmt: skip
                 continue
             # n' = op(u, others...) in shape u, then n becomes view(n', s).
             name = f"{n.name}_sunk"
-            inputs = tuple(p.inputs[0] if j == pos_ else w for j, w in enumerate(n.inputs))
+            inputs = tuple(ins)
             meta = type(graph.meta(n.output))(u, graph.meta(n.output).dtype)
             graph.values[name] = Value(name, meta, ValueKind.INTERMEDIATE, producer=name)
             graph.nodes.insert(i - 1, Node(name, n.op, inputs, name, dict(n.attrs)))

@@ -191,3 +191,16 @@ def test_gathers_compose_along_each_dim() -> None:
     assert sorted(n.attrs["dim"] % 4 for n in gathers) == [2, 3], result.graph.summary()
     got = result.unflatten(run_graph(result.graph, [x]))
     assert torch.equal(got, UpPad()(x))
+
+
+def test_gelu_after_a_linear_runs_in_the_gemm_shape() -> None:
+    """Linear on (1, T, F) is a (T, F) GEMM viewed as (1, T, F); GELU's
+    0.5 * x * (1 + erf(x / sqrt 2)) reads x twice, and its product of two views is sunk
+    too, so every pointwise op runs on (T, F): one kernel with the GEMM can hold them."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU()).eval()
+    x = torch.randn(1, 5, 8)
+    result = capture(model, (x,))
+    pointwise = [n for n in result.graph.nodes if n.op in ("mul", "add", "erf")]
+    assert pointwise and all(result.graph.meta(n.output).shape == (5, 16) for n in pointwise)
+    with torch.no_grad():
+        assert_close_to_reference(result.unflatten(run_graph(result.graph, [x])), model(x))
