@@ -22,6 +22,8 @@ dense conv, and the cost model picks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kiln.compiler.codegen.cpu.conv_narrow import emit_conv_narrow, is_narrow, pack_narrow
@@ -137,53 +139,62 @@ def _interior_block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes:
     image read in place has strided channels)."""
     (kh, kw), ow_n = s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    pw_ = panel_width(s.c_out, lanes)
-    k_all = kh * kw * s.c_in
     sx_h, sx_w, sx_c = s.x.strides[1], s.x.strides[2], s.x.strides[3]
     at = "ci" if sx_c == 1 else f"ci * {sx_c}"
     L = [f"const int64_t oh = m / {ow_n}, ow = m % {ow_n};"]
     L += [f"const int64_t oh{p} = oh, ow{p} = ow + {p};" for p in range(npx)]
     L.append(f"const float* xb = xn + (oh * {sh} - {ph}) * {sx_h} + (ow * {sw} - {pw}) * {sx_w};")
-    L += [
+    L += _accumulators(npx, nb, lanes)
+    L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
+    L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
+    L.append(f"    const float* xr = xb + u * {dh * sx_h} + v * {dw * sx_w};")
+    L += _k_steps(s, npx, nb, lanes, lambda p: f"xr[{p * sw * sx_w} + {at}]")
+    L += ["  }", "}"]
+    return L + _stores(s, npx, nb, tail, lanes)
+
+
+def _accumulators(npx: int, nb: int, lanes: int) -> list[str]:
+    """a{p}_{j}: pixel p's sums for channel vector j, started at the bias."""
+    return [
         f"kv::V a{p}_{j} = kv::load(bias + c0 + {j * lanes});"
         for p in range(npx)
         for j in range(nb)
     ]
-    L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
-    L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
-    L.append(f"    const float* xr = xb + u * {dh * sx_h} + v * {dw * sx_w};")
-    L.append(f"    const float* wr = wt + cb * {k_all * pw_} + (u * {kw} + v) * {s.c_in * pw_};")
+
+
+def _k_steps(
+    s: ConvNhwcSpec, npx: int, nb: int, lanes: int, x_at: Callable[[int], str]
+) -> list[str]:
+    """One tap (u, v): its C_in steps, each a row of ``nb`` weight vectors times pixel p's
+    input channel ``x_at(p)`` (a C++ float expression of ``ci``)."""
+    (kh, kw), pw_ = s.kernel, panel_width(s.c_out, lanes)
+    L = [
+        f"    const float* wr = wt + cb * {kh * kw * s.c_in * pw_} + (u * {kw} + v) * {s.c_in * pw_};"
+    ]
     L.append(f"    for (int64_t ci = 0; ci < {s.c_in}; ++ci) {{")
-    for line in range(0, nb * lanes * 4, 64):
+    for line in range(0, nb * lanes * 4, 64):  # the panel streams: fetch ahead of use
         L.append(
             f"      __builtin_prefetch(wr + (ci + {PREFETCH_ROWS}) * {pw_} + {line // 4}, 0, 3);"
         )
     for j in range(nb):
         L.append(f"      const kv::V w{j} = kv::load(wr + ci * {pw_} + {j * lanes});")
     for p in range(npx):
-        L.append(f"      {{ const kv::V b = kv::splat(xr[{p * sw * sx_w} + {at}]);")
+        L.append(f"      {{ const kv::V b = kv::splat({x_at(p)});")
         for j in range(nb):
             L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
         L.append("      }")
-    L += ["    }", "  }", "}"]
-    return L + _stores(s, npx, nb, tail, lanes)
+    return L + ["    }"]
 
 
 def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
     """Pixels m .. m + npx - 1 x ``nb`` output-channel vectors from ``c0``."""
     (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
-    pw_ = panel_width(s.c_out, lanes)
-    k_all = kh * kw * s.c_in
     sx_h, sx_w, sx_c = s.x.strides[1], s.x.strides[2], s.x.strides[3]
     L = []
     for p in range(npx):
         L.append(f"const int64_t oh{p} = (m + {p}) / {ow_n}, ow{p} = (m + {p}) % {ow_n};")
-    L += [
-        f"kv::V a{p}_{j} = kv::load(bias + c0 + {j * lanes});"
-        for p in range(npx)
-        for j in range(nb)
-    ]
+    L += _accumulators(npx, nb, lanes)
     L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
     for p in range(npx):
         L.append(f"  const int64_t ih{p} = oh{p} * {sh} - {ph} + u * {dh};")
@@ -195,21 +206,8 @@ def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> 
         L.append(f"    const float* x{p} = in{p} ? xn + ih{p} * {sx_h} + iw{p} * {sx_w} : zrow;")
         if sx_c != 1:  # strided channels (an NCHW image read in place): the zero row is not
             L.append(f"    const int64_t s{p} = in{p} ? {sx_c} : 0;")
-    L.append(f"    const float* wr = wt + cb * {k_all * pw_} + (u * {kw} + v) * {s.c_in * pw_};")
-    L.append(f"    for (int64_t ci = 0; ci < {s.c_in}; ++ci) {{")
-    for line in range(0, nb * lanes * 4, 64):  # the panel streams: fetch ahead of use
-        L.append(
-            f"      __builtin_prefetch(wr + (ci + {PREFETCH_ROWS}) * {pw_} + {line // 4}, 0, 3);"
-        )
-    for j in range(nb):
-        L.append(f"      const kv::V w{j} = kv::load(wr + ci * {pw_} + {j * lanes});")
-    for p in range(npx):
-        at = "ci" if sx_c == 1 else f"ci * s{p}"
-        L.append(f"      {{ const kv::V b = kv::splat(x{p}[{at}]);")
-        for j in range(nb):
-            L.append(f"        a{p}_{j} = kv::fma(b, w{j}, a{p}_{j});")
-        L.append("      }")
-    L += ["    }", "  }", "}"]
+    L += _k_steps(s, npx, nb, lanes, lambda p: f"x{p}[ci]" if sx_c == 1 else f"x{p}[ci * s{p}]")
+    L += ["  }", "}"]
     return L + _stores(s, npx, nb, tail, lanes)
 
 
