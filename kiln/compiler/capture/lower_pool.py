@@ -1,9 +1,9 @@
-"""Lowerings of 2-D pooling and nearest upsampling. A max or average pool of a 4-D value (and an adaptive
-average pool to a divisor of the input size) becomes one ``pool2d`` primitive, run by
-its own native kernel (``codegen/cpu/pool.py``) in either layout; a pool whose window is
-the whole image is a reduction over (H, W) (it fuses with its neighbours into a row or
-column kernel). Non-overlapping pools of other ranks become ``view`` + ``sum``/``max``
-over the window dims. (That view form used to serve 4-D values too; its reduction over
+"""Lowerings of 2-D pooling and nearest upsampling. A max or average pool of a 4-D value
+(and an adaptive average pool to a divisor of the input size) becomes one ``pool2d``
+primitive, run by its own native kernel (``codegen/cpu/pool.py``) in either layout; a
+pool whose window is the whole image is a reduction over (H, W) (it fuses with its
+neighbours into a row or column kernel). Non-overlapping pools of other ranks become
+``view`` + ``sum``/``max`` over the window dims. (That view form used to serve 4-D values too; its reduction over
 non-trailing dims fuses with nothing and ran about 6x slower than ``pool2d`` on NCHW
 U-Net sizes, 50 vs 8 us for 16x64x64, and its rank-6 view broke channels-last regions.)
 Ceil mode, dilation, a divisor override and average pools that leave padding out of

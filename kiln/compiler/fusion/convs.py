@@ -131,6 +131,16 @@ def is_dense_nhwc_conv(graph: Graph, node: Node) -> bool:
     )
 
 
+NARROW_CONV_MAX_OUT = 4  # outputs of a dense channels-last conv run along C_in, at most
+
+
+def is_narrow_conv(c_in: int, c_out: int, lanes: int) -> bool:
+    """A dense channels-last conv the ``dconv`` template runs vectorised along its input
+    channels (``codegen/cpu/conv_narrow.py``): few outputs, whole vectors of inputs. The
+    cost model prices it at its exact FLOPs."""
+    return c_out <= NARROW_CONV_MAX_OUT and c_in % lanes == 0
+
+
 def onednn_chained(graph: Graph) -> set[str]:
     """Names of the 2-D NCHW depthwise convs that feed, or are fed by, a dense 2-D conv
     through oneDNN post-ops only, every value on the way read by that one node

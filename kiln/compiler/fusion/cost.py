@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from kiln.compiler.fusion.candidates import Candidate
-from kiln.compiler.fusion.convs import is_depthwise_conv
+from kiln.compiler.fusion.convs import is_depthwise_conv, is_narrow_conv
 from kiln.compiler.fusion.cpu_cost import (
     NATIVE_TEMPLATES,
     NativeWork,
@@ -147,18 +147,13 @@ def dwconv_flops(node: Node, graph: Graph, lanes: int) -> float:
     return 2.0 * rows * -(-out[-1] // lanes) * lanes * taps
 
 
-# A dense channels-last conv with at most this many outputs and whole vectors of input
-# channels runs vectorised along C_in (codegen/cpu/conv_narrow.py, mirrored here).
-NARROW_CONV_MAX_OUT = 4
-
-
 def dconv_flops(node: Node, graph: Graph, lanes: int) -> float:
     """GEMM FLOPs of a channels-last conv with C_out (the last dim of its output, the
     vectorised one) rounded up to whole vectors of ``lanes``; a narrow one (few outputs,
     whole vectors of C_in: vectorised along C_in) its exact FLOPs."""
     out = graph.meta(node.output).shape
     c_out, c_in = out[-1], graph.meta(node.inputs[0]).shape[-1]
-    if c_out <= NARROW_CONV_MAX_OUT and c_in % lanes == 0:
+    if is_narrow_conv(c_in, c_out, lanes):
         return gemm_flops(node, graph)
     return gemm_flops(node, graph) / c_out * (-(-c_out // lanes) * lanes)
 

@@ -21,15 +21,15 @@ import torch
 
 from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, pixel_chunks
 from kiln.compiler.codegen.cpu.dwconv_nhwc import epilogue
+from kiln.compiler.fusion.convs import is_narrow_conv
 
-MAX_OUT = 4  # output channels at most (``NARROW_CONV_MAX_OUT`` in fusion/cost.py)
 ACCUMULATORS = 12  # PX * C_out sums held in vector registers
 
 
 def is_narrow(c_in: int, c_out: int, lanes: int, channel_stride: int) -> bool:
-    """Whether the narrow kernel runs this conv: few outputs, whole vectors of contiguous
-    input channels (the cost model mirrors this: ``fusion/cost.py``)."""
-    return c_out <= MAX_OUT and c_in % lanes == 0 and channel_stride == 1
+    """Whether the narrow kernel runs this conv: ``is_narrow_conv`` (the rule the cost
+    model prices by), over contiguous input channels."""
+    return is_narrow_conv(c_in, c_out, lanes) and channel_stride == 1
 
 
 def pack_narrow(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torch.Tensor:
