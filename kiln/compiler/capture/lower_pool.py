@@ -3,12 +3,12 @@
 primitive, run by its own native kernel (``codegen/cpu/pool.py``) in either layout; a
 pool whose window is the whole image is a reduction over (H, W) (it fuses with its
 neighbours into a row or column kernel). Non-overlapping pools of other ranks become
-``view`` + ``sum``/``max`` over the window dims. (That view form used to serve 4-D values too; its reduction over
-non-trailing dims fuses with nothing and ran about 6x slower than ``pool2d`` on NCHW
-U-Net sizes, 50 vs 8 us for 16x64x64, and its rank-6 view broke channels-last regions.)
-Ceil mode, dilation, a divisor override and average pools that leave padding out of
-the count run through PyTorch as opaque nodes. Nearest upsampling by whole factors is two
-``index_select``s with constant indices."""
+``view`` + ``sum``/``max`` over the window dims. (That view form used to serve 4-D
+values too; its reduction over non-trailing dims fuses with nothing and ran about 6x
+slower than ``pool2d`` on NCHW U-Net sizes, 50 vs 8 us for 16x64x64, and its rank-6
+view broke channels-last regions.) Ceil mode, dilation, a divisor override and average
+pools that leave padding out of the count run through PyTorch as opaque nodes. Nearest
+upsampling by whole factors is two ``index_select``s with constant indices."""
 
 from __future__ import annotations
 
