@@ -6,4 +6,5 @@
 - ``compare``: numerical comparison (tolerances per dtype, SQNR) for verification and tests.
 - ``hardware`` / ``calibrate``: device profiles for cost models, measured on this machine.
 - ``memory``: this process's peak resident memory, and freed heap handed back to the OS.
+- ``host_load``: the share of the CPU other processes used while something was timed.
 """

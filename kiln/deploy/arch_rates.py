@@ -24,7 +24,9 @@ fixed cost per block above the one-process eager engine's, both fitted at the sa
 (``with_layouts``).
 
 Timing one architecture takes a few minutes per thread count (Qwen2-0.5B's about five);
-the result is cached per CPU, thread count and shape.
+the result is cached per CPU, thread count and shape, unless other processes used more
+than ``MAX_OTHER_LOAD`` of the CPU meanwhile (``core.host_load``): such timings came out
+3-6x slow on a 2-core host and, cached, mispriced that model's plans on every later run.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.core.cache import cache_dir
+from kiln.core.host_load import OtherLoad
 from kiln.deploy.kernel_rates import (
     DECODE_ROWS,
     FORMATS,
@@ -64,6 +67,7 @@ VERSION = 4  # of the cached file's layout or method
 MAX_PROBE_LAYERS = 8  # blocks of the larger probe, at most
 PROBE_POSITIONS = 320  # rows of the rotary / learned position tables the probes need
 ROUNDS = 3  # timings of each probe, the models in turn
+MAX_OTHER_LOAD = 0.2  # share of the CPU other processes may use while timings are cached
 
 
 def probe_layers(cfg: ModelConfig) -> tuple[int, int]:
@@ -273,6 +277,11 @@ def load_arch_rates(
         return cached
     ranks = max(1, cores // threads)
     shards = tuple(sorted({tp for tp, _ in layouts_of(ranks)}))
-    rates = measure_arch_rates(cfg, threads, fast=ranks == 1, shards=shards, note=note)
+    with OtherLoad() as load:
+        rates = measure_arch_rates(cfg, threads, fast=ranks == 1, shards=shards, note=note)
+    if load.share > MAX_OTHER_LOAD:
+        note(f"other processes used {load.share:.0%} of the CPU while this model's blocks "
+             "were timed: the timings price this plan but are not cached")  # fmt: skip
+        return rates
     write_table(path, rates)
     return rates

@@ -4,6 +4,7 @@ tensor-parallel shard a rank times, layouts re-based on them, and the cost model
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -121,3 +122,40 @@ def test_the_larger_probe_weighs_about_the_head() -> None:
         cfg = read_architecture(name).config
         assert cfg is not None and probe_layers(cfg) == (1, want), name
     assert probe_layers(TINY_LLAMA) == (1, 3)
+
+
+def test_timings_taken_beside_other_work_are_not_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A busy host's timings price this plan but are never written to the cache.
+    import kiln.deploy.arch_rates as ar
+
+    path = tmp_path / "arch.json"
+    timed = {"eager-fp32": {1: Cost(10.0, 0.0)}}
+    calls: list[int] = []
+
+    def measure(*_: object, **__: object) -> dict[str, dict[int, Cost]]:
+        calls.append(1)
+        return timed
+
+    class Busy:
+        share = 0.0
+
+        def __enter__(self) -> Busy:
+            return self
+
+        def __exit__(self, *_: object) -> None:
+            self.share = load
+
+    monkeypatch.setattr(ar, "arch_rates_path", lambda *_: str(path))
+    monkeypatch.setattr(ar, "measure_arch_rates", measure)
+    monkeypatch.setattr(ar, "OtherLoad", Busy)
+    notes: list[str] = []
+    load = 0.5
+    assert ar.load_arch_rates(TINY_LLAMA, 2, 2, notes.append) == timed
+    assert not path.exists() and any("not cached" in n for n in notes)
+    load = 0.05
+    ar.load_arch_rates(TINY_LLAMA, 2, 2)
+    assert path.exists() and len(calls) == 2
+    ar.load_arch_rates(TINY_LLAMA, 2, 2)  # now read from the cache
+    assert len(calls) == 2
