@@ -16,7 +16,7 @@ import time
 from types import TracebackType
 
 
-def _machine_busy_s() -> tuple[float, float] | None:
+def machine_busy_s() -> tuple[float, float] | None:
     """(busy, total) CPU seconds of all CPUs since boot, from ``/proc/stat``."""
     try:
         with open("/proc/stat") as f:
@@ -30,11 +30,6 @@ def _machine_busy_s() -> tuple[float, float] | None:
     return (sum(v) - idle) / tick, sum(v) / tick
 
 
-def _own_cpu_s() -> float:
-    """CPU seconds this process (all its threads) has used."""
-    return time.process_time()
-
-
 class OtherLoad:
     """Context manager: ``share`` is the fraction of all CPUs' time that other processes
     were busy between enter and exit (0 to 1; 0 where ``/proc/stat`` is missing)."""
@@ -45,8 +40,8 @@ class OtherLoad:
         self._own = 0.0
 
     def __enter__(self) -> OtherLoad:
-        self._start = _machine_busy_s()
-        self._own = _own_cpu_s()
+        self._start = machine_busy_s()
+        self._own = time.process_time()  # this process, all its threads
         return self
 
     def __exit__(
@@ -55,9 +50,9 @@ class OtherLoad:
         err: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        end = _machine_busy_s()
+        end = machine_busy_s()
         if self._start is None or end is None:
             return
         busy, total = end[0] - self._start[0], end[1] - self._start[1]
-        others = busy - (_own_cpu_s() - self._own)
+        others = busy - (time.process_time() - self._own)
         self.share = min(1.0, max(0.0, others / total)) if total > 0 else 0.0

@@ -24,6 +24,7 @@ from kiln.compiler.fusion.probes import ProbeProgram, probe_programs
 from kiln.compiler.fusion.program import Kernel, build_program
 from kiln.core.calibrate import load_profile, store_profile
 from kiln.core.hardware import HardwareProfile, derive_kernel_rates
+from kiln.core.host_load import machine_busy_s
 
 Note = Callable[[str], object]
 
@@ -33,22 +34,14 @@ def wait_quiet(max_wait_s: float = 0.3, threshold: float = 0.15) -> None:
     the last 20 ms: timing starts in a quiet moment of a shared machine when there is one
     (niced work counts too: a parallel region still waits for a thread it delays)."""
     deadline = time.monotonic() + max_wait_s
-
-    def busy() -> tuple[int, int]:
-        with open("/proc/stat") as f:
-            v = [int(x) for x in f.readline().split()[1:]]
-        idle = v[3] + (v[4] if len(v) > 4 else 0)
-        return sum(v) - idle, sum(v)
-
-    try:
-        while time.monotonic() < deadline:
-            b0, t0 = busy()
-            time.sleep(0.02)
-            b1, t1 = busy()
-            if (b1 - b0) <= threshold * max(t1 - t0, 1):
-                return
-    except (OSError, ValueError, IndexError):
-        return
+    while time.monotonic() < deadline:
+        before = machine_busy_s()
+        time.sleep(0.02)
+        after = machine_busy_s()
+        if before is None or after is None:  # no /proc/stat: nothing to wait for
+            return
+        if after[0] - before[0] <= threshold * max(after[1] - before[1], 1e-9):
+            return
 
 
 def time_probe(program: ProbeProgram, threads: int, iters: int, rounds: int) -> list[float]:
