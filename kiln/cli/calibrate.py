@@ -58,7 +58,7 @@ def calibrate(
     console.print(profile)
     for n in counts:
         with console.status(f"timing kiln's engines at {n} thread(s)") as status:
-            rates = load_rates(threads=n, refresh=True, note=lambda text: status.update(text))
+            rates = load_rates(n, True, lambda text: status.update(text), console.print)
         table = Table(f"engine ({n} thread{'s' if n > 1 else ''})", "rows", "rate", "per block")
         for engine, by in rates.items():
             unit = "GFLOP/s" if engine.startswith("prefill") else "GB/s"

@@ -25,7 +25,7 @@ fixed cost per block above the one-process eager engine's, both fitted at the sa
 
 Timing one architecture takes a few minutes per thread count (Qwen2-0.5B's about five);
 the result is cached per CPU, thread count and shape, unless other processes used more
-than ``MAX_OTHER_LOAD`` of the CPU meanwhile (``core.host_load``): such timings came out
+than ``rates_table.MAX_OTHER_LOAD`` of the CPU meanwhile: such timings came out
 3-6x slow on a 2-core host and, cached, mispriced that model's plans on every later run.
 """
 
@@ -56,7 +56,7 @@ from kiln.deploy.kernel_rates import (
     step_seconds,
 )
 from kiln.deploy.rank_rates import layouts_of
-from kiln.deploy.rates_table import cpu_key, read_table, write_table
+from kiln.deploy.rates_table import cache_if_quiet, cpu_key, read_table
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -67,7 +67,6 @@ VERSION = 4  # of the cached file's layout or method
 MAX_PROBE_LAYERS = 8  # blocks of the larger probe, at most
 PROBE_POSITIONS = 320  # rows of the rotary / learned position tables the probes need
 ROUNDS = 3  # timings of each probe, the models in turn
-MAX_OTHER_LOAD = 0.2  # share of the CPU other processes may use while timings are cached
 
 
 def probe_layers(cfg: ModelConfig) -> tuple[int, int]:
@@ -279,9 +278,5 @@ def load_arch_rates(
     shards = tuple(sorted({tp for tp, _ in layouts_of(ranks)}))
     with OtherLoad() as load:
         rates = measure_arch_rates(cfg, threads, fast=ranks == 1, shards=shards, note=note)
-    if load.share > MAX_OTHER_LOAD:
-        note(f"other processes used {load.share:.0%} of the CPU while this model's blocks "
-             "were timed: the timings price this plan but are not cached")  # fmt: skip
-        return rates
-    write_table(path, rates)
+    cache_if_quiet(path, rates, load.share, "this model's blocks", note)
     return rates

@@ -4,6 +4,10 @@ One JSON file per CPU (model name and ISA flags: a Zen 3 and a Zen 5 host are bo
 EPYC") and thread count: the one-process engines (``kernel_rates.measure_rates``), the gloo
 collective, and, at a thread count that several ranks share the cores with, those ranks'
 layouts timed launched (``rank_rates``). ``kiln calibrate`` refreshes it.
+
+Timings taken while other processes used more than ``MAX_OTHER_LOAD`` of the CPU
+(``core.host_load``) price the plan at hand but are never cached: on a 2-core host such
+timings came out 3-6x slow and, cached, mispriced every later plan.
 """
 
 from __future__ import annotations
@@ -15,9 +19,12 @@ from collections.abc import Callable
 
 from kiln.core.cache import cache_dir
 from kiln.core.hardware import cpu_model
+from kiln.core.host_load import OtherLoad
 from kiln.core.native import cpu_flags
 from kiln.deploy.kernel_rates import FORMATS, VERSION, Cost, measure_rates
 from kiln.deploy.rank_rates import measure_collective, measure_layouts
+
+MAX_OTHER_LOAD = 0.2  # share of the CPU other processes may use while timings are cached
 
 
 def cpu_key() -> str:
@@ -55,21 +62,40 @@ def write_table(path: str, rates: dict[str, dict[int, Cost]]) -> None:
     os.replace(tmp, path)
 
 
+def cache_if_quiet(
+    path: str, rates: dict[str, dict[int, Cost]], others: float, what: str,
+    warn: Callable[[str], None],
+) -> None:  # fmt: skip
+    """Write ``rates`` to ``path`` unless other processes used more than
+    ``MAX_OTHER_LOAD`` of the CPU (``others``) while ``what`` was timed; ``warn`` hears
+    when they are not written."""
+    if others > MAX_OTHER_LOAD:
+        warn(f"other processes used {others:.0%} of the CPU while {what} were timed: "
+             "the timings are used now but not cached (time again on a quieter machine)")  # fmt: skip
+        return
+    write_table(path, rates)
+
+
 def load_rates(
-    threads: int = 2, refresh: bool = False, note: Callable[[str], None] = lambda _: None
+    threads: int = 2,
+    refresh: bool = False,
+    note: Callable[[str], None] = lambda _: None,
+    warn: Callable[[str], None] | None = None,
 ) -> dict[str, dict[int, Cost]]:
     """This CPU's table at ``threads`` threads (cached JSON), measured now when missing
-    (a minute or two; ``note`` hears what is being timed)."""
+    (a minute or two; ``note`` hears what is being timed, ``warn`` (default ``note``) that
+    a busy host's timings were not cached)."""
     path = rates_path(threads)
     cached = None if refresh else read_table(path)
     if cached is not None:
         return cached
-    rates = measure_rates(threads, note)
-    note("timing a gloo all-reduce between two ranks")
-    gloo = measure_collective(2)
-    rates["gloo"] = {2: gloo}
-    ranks = len(os.sched_getaffinity(0)) // threads  # the ranks that run at this thread count
-    if ranks >= 2:
-        rates.update(measure_layouts(ranks, FORMATS, gloo, note, one_process=rates))
-    write_table(path, rates)
+    with OtherLoad() as load:
+        rates = measure_rates(threads, note)
+        note("timing a gloo all-reduce between two ranks")
+        gloo = measure_collective(2)
+        rates["gloo"] = {2: gloo}
+        ranks = len(os.sched_getaffinity(0)) // threads  # the ranks at this thread count
+        if ranks >= 2:
+            rates.update(measure_layouts(ranks, FORMATS, gloo, note, one_process=rates))
+    cache_if_quiet(path, rates, load.share, "the engines", warn or note)
     return rates

@@ -23,6 +23,7 @@ from kiln.deploy.kernel_rates import FORMATS, Cost
 from kiln.models.config import ModelConfig
 from kiln.models.transformer import Transformer
 from kiln.parallel.tp import shard_tensor_parallel
+from tests.support.host_load import FixedLoad
 from tests.support.models import TINY_LLAMA
 
 
@@ -138,23 +139,14 @@ def test_timings_taken_beside_other_work_are_not_cached(
         calls.append(1)
         return timed
 
-    class Busy:
-        share = 0.0
-
-        def __enter__(self) -> Busy:
-            return self
-
-        def __exit__(self, *_: object) -> None:
-            self.share = load
-
     monkeypatch.setattr(ar, "arch_rates_path", lambda *_: str(path))
     monkeypatch.setattr(ar, "measure_arch_rates", measure)
-    monkeypatch.setattr(ar, "OtherLoad", Busy)
+    monkeypatch.setattr(ar, "OtherLoad", FixedLoad)
     notes: list[str] = []
-    load = 0.5
+    monkeypatch.setattr(FixedLoad, "share", 0.5)
     assert ar.load_arch_rates(TINY_LLAMA, 2, 2, notes.append) == timed
     assert not path.exists() and any("not cached" in n for n in notes)
-    load = 0.05
+    monkeypatch.setattr(FixedLoad, "share", 0.05)
     ar.load_arch_rates(TINY_LLAMA, 2, 2)
     assert path.exists() and len(calls) == 2
     ar.load_arch_rates(TINY_LLAMA, 2, 2)  # now read from the cache

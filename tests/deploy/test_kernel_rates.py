@@ -22,6 +22,7 @@ from kiln.deploy.rank_rates import layout_engine, layouts_of, measure_collective
 from kiln.deploy.rates_table import load_rates
 from kiln.llm.generate import EagerDecoder
 from kiln.models.config import ModelConfig
+from tests.support.host_load import FixedLoad
 from tests.support.models import tiny_transformer
 
 TABLE = {"fast-int8": {1: Cost(20.0, 1e-5), 4: Cost(12.0, 2e-5)}, "eager-int8": {1: Cost(7.0, 0)}}
@@ -83,6 +84,7 @@ def test_rates_are_cached_per_machine_and_thread_count(
     monkeypatch.setattr(rates_table, "measure_collective", lambda world: Cost(1.0, 5e-5))
     monkeypatch.setattr(rates_table, "measure_layouts", fake_layouts)
     monkeypatch.setattr(rates_table.os, "sched_getaffinity", lambda pid: {0, 1})  # 2 cores
+    monkeypatch.setattr(rates_table, "OtherLoad", FixedLoad)  # a quiet host
     want = {"fast-fp32": {1: Cost(25.0, 1e-5), 4: Cost(19.0, 2e-5)}, "gloo": {2: Cost(1.0, 5e-5)}}
     assert load_rates(2) == want and calls == [2]
     assert load_rates(2) == want and calls == [2]  # from the file
@@ -94,6 +96,12 @@ def test_rates_are_cached_per_machine_and_thread_count(
     path.write_text("{broken")
     load_rates(2)
     assert calls == [2, 1, -2, 2]  # a corrupt entry is measured again
+    # timed while other processes used half the CPU: used, said, and not cached
+    path.unlink()
+    monkeypatch.setattr(FixedLoad, "share", 0.5)
+    warnings: list[str] = []
+    assert load_rates(2, warn=warnings.append) == want
+    assert not path.exists() and "50% of the CPU" in warnings[0]
 
 
 def test_step_and_prefill_timers_time_real_work() -> None:
