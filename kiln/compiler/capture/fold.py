@@ -6,6 +6,10 @@
 * ``drop_unit_reduction_dims``: reducing over a size-1 dim is a no-op; dropping it
   lets instance norm (a batch-statistics batch norm over (0, 2, 3) with batch 1)
   use the fused row kernel, whose reduced dims must be trailing.
+* ``fold_pads_into_convs``: a constant zero pad before a conv (``F.pad``, which
+  captures as a ``cat`` with zero blocks) becomes the conv's own padding, uneven where
+  the pad is (a causal conv pads only before): the conv kernels read the border as zeros
+  anyway, so the copy of the activation goes.
 * ``merge_index_selects``: gathers with constant indices along the same dim compose
   into one (nearest upsampling then reflection padding, each two gathers along H and W,
   become one along H and one along W).
@@ -15,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.ir.graph import Graph, Node, TensorMeta
+from kiln.compiler.ir.graph import Graph, Node, TensorMeta, conv_padding
 
 
 def _consumers(graph: Graph) -> dict[str, list[Node]]:
@@ -88,6 +92,50 @@ def fold_conv_affine(graph: Graph) -> Graph:
                 n.inputs = tuple(conv.output if i == last_out else i for i in n.inputs)
         graph.outputs = [conv.output if o == last_out else o for o in graph.outputs]
         users = _consumers(graph)
+    return graph
+
+
+def _is_zero(graph: Graph, value: str) -> bool:
+    """``value`` is a constant of zeros, or a view or broadcast of one."""
+    while (p := graph.producer(value)) is not None and p.op in ("expand", "view"):
+        value = p.inputs[0]
+    return graph.is_constant(value) and not bool(graph.constants[value].any())
+
+
+def _zero_padded(graph: Graph, value: str) -> tuple[str, int, int, int] | None:
+    """(x, spatial dim, zeros before, zeros after) when ``value`` is an fp32
+    ``cat([zeros..., x, zeros...])`` along a spatial dim of an NCHW-style value."""
+    cat = graph.producer(value)
+    if cat is None or cat.op != "cat" or graph.meta(value).dtype != torch.float32:
+        return None
+    shape = graph.meta(value).shape
+    dim = cat.attrs["dim"] % len(shape)
+    data = [i for i, v in enumerate(cat.inputs) if not _is_zero(graph, v)]
+    if dim < 2 or len(data) != 1:
+        return None
+    k = data[0]
+    sizes = [graph.meta(v).shape[dim] for v in cat.inputs]
+    return cat.inputs[k], dim - 2, sum(sizes[:k]), sum(sizes[k + 1 :])
+
+
+def fold_pads_into_convs(graph: Graph) -> Graph:
+    """conv(cat([zeros, x, zeros], spatial dim), W) -> conv(x, W) with that dim's padding
+    grown by the zeros on each side; nested pads (one cat per dim) fold one by one. The
+    cat stays for any other reader (dead code elimination drops it otherwise)."""
+    for conv in graph.nodes:
+        if conv.op != "conv" or conv.attrs.get("channels_last"):
+            continue
+        while (pad := _zero_padded(graph, conv.inputs[0])) is not None:
+            x, d, more_before, more_after = pad
+            before, after = (list(p) for p in conv_padding(conv.attrs))
+            before[d] += more_before
+            after[d] += more_after
+            attrs = {k: v for k, v in conv.attrs.items() if k != "padding_end"}
+            attrs["padding"] = tuple(before)
+            if after != before:
+                attrs["padding_end"] = tuple(after)
+            conv.attrs = attrs
+            conv.inputs = (x, *conv.inputs[1:])
     return graph
 
 

@@ -188,6 +188,8 @@ def _aten_call(n: Node) -> tuple[object, tuple[Any, ...], dict[str, Any]]:
     if n.op in ("mm", "bmm"):
         return getattr(aten, n.op).default, (t[0], t[1]), {}
     if n.op == "conv":
+        if "padding_end" in a:
+            raise ValueError("no single ATen call pads a conv unevenly")
         bias = t[2] if len(t) > 2 else None
         zeros = [0] * len(a["stride"])
         args = (t[0], t[1], bias, list(a["stride"]), list(a["padding"]), list(a["dilation"]))
@@ -226,6 +228,7 @@ def optimize(graph: Graph) -> Graph:
     from kiln.compiler.capture.fold import (
         drop_unit_reduction_dims,
         fold_conv_affine,
+        fold_pads_into_convs,
         merge_index_selects,
         sink_unit_views,
     )
@@ -236,6 +239,7 @@ def optimize(graph: Graph) -> Graph:
     graph = fold_constants(graph)
     graph = canonicalize_views(graph)
     graph = eliminate_common_subexpressions(graph)
+    graph = fold_pads_into_convs(graph)
     graph = fold_conv_affine(graph)
     graph = merge_index_selects(graph)
     graph = drop_unit_reduction_dims(graph)

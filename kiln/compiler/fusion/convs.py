@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from kiln.compiler.fusion.aliases import GraphIndex
-from kiln.compiler.ir.graph import Graph, Node, ValueKind
+from kiln.compiler.ir.graph import Graph, Node, ValueKind, conv_padding
 
 # Ops a oneDNN conv kernel may hold after its conv (bias add, relu, hardtanh).
 _POST_OPS = frozenset({"add", "relu", "maximum", "minimum"})
@@ -36,8 +36,12 @@ _POST_OPS = frozenset({"add", "relu", "maximum", "minimum"})
 def onednn_post_ops_ok(ix: GraphIndex, mask: int, c: int, eps: list[int]) -> bool:
     """Node ``c`` (a conv) and ``eps`` (the other nodes of ``mask``, positions) are
     conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)] (the
-    oneDNN post-ops: bias, relu, hardtanh), storing only the last value."""
+    oneDNN post-ops: bias, relu, hardtanh), storing only the last value, and the conv
+    pads alike on both sides of each dim (oneDNN's call takes one padding per dim)."""
     nodes, g = ix.nodes, ix.graph
+    before, after = conv_padding(nodes[c].attrs)
+    if before != after:
+        return False
     shape = g.meta(nodes[c].output).shape
     chain = [c] + sorted(eps)  # node indices are topological
     ops = [nodes[i].op for i in chain[1:]]
@@ -113,7 +117,7 @@ def is_pointwise_conv(graph: Graph, node: Node) -> bool:
         and all(k == 1 for k in w[2:])
         and a["groups"] == 1
         and all(s == 1 for s in a["stride"])
-        and all(p == 0 for p in a["padding"])
+        and not any(p for pads in conv_padding(a) for p in pads)
         and all(graph.meta(v).dtype == torch.float32 for v in (*node.inputs, node.output))
     )
 

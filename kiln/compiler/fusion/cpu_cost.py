@@ -49,7 +49,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kiln.compiler.fusion.candidates import Candidate
-from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind
+from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind, conv_padding
 from kiln.compiler.ir.layout import Access, access, is_view
 from kiln.core.hardware import HardwareProfile, KernelRates
 
@@ -226,8 +226,8 @@ def native_work(
         x = graph.meta(heavy.inputs[0]).shape
         tasks = math.prod(out[:2])
         plane = math.prod(out[2:-1]) * -(-out[-1] // lanes) * math.prod(w[2:])
-        pad = heavy.attrs.get("padding", (0,) * (len(x) - 2))
-        copy = math.prod(s + 2 * q for s, q in zip(x[2:], pad))
+        before, after = conv_padding(heavy.attrs)
+        copy = math.prod(s + p + q for s, p, q in zip(x[2:], before, after))
     elif heavy is not None:
         gemm = _gemm_work(heavy, graph, root)
     return NativeWork(

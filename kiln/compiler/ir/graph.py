@@ -94,6 +94,8 @@ GEMMS = {
     "mm",  # (M, K) x (K, N) -> (M, N)
     "bmm",  # (B, M, K) x (B, K, N) -> (B, M, N)
     # conv: (x, w[, b]); attrs stride, padding, dilation: tuple[int, ...], groups: int;
+    # zero padding before each spatial dim, and after it too unless attrs["padding_end"]
+    # gives that (``conv_padding``: a causal conv pads only before);
     # x (N, C, *spatial) -> (N, C_out, *spatial'), or with attrs["channels_last"] True
     # x (N, *spatial, C) -> (N, *spatial', C_out); w is (C_out, C/groups, *kernel) either way
     "conv",
@@ -127,6 +129,12 @@ OPS: dict[str, OpClass] = {
     **{op: OpClass.LAYOUT for op in LAYOUT_VIEWS | LAYOUT_COPIES},
     **{op: OpClass.OPAQUE for op in OPAQUE | RNNS | POOLS},
 }
+
+
+def conv_padding(attrs: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A conv's zero padding (before, after) each spatial dim."""
+    before = tuple(attrs["padding"])
+    return before, tuple(attrs.get("padding_end", before))
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from kiln.compiler.ir.graph import Graph, Node
+from kiln.compiler.ir.graph import Graph, Node, conv_padding
 
 Tensor = torch.Tensor
 
@@ -122,9 +122,16 @@ def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
     conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[w.dim() - 2]
     if a.get("channels_last"):
         # x (N, *spatial, C) -> y (N, *spatial', C_out), both stored contiguously
-        y = conv(x.movedim(-1, 1), w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
+        y = _conv(
+            [x.movedim(-1, 1), *args[1:]], {**a, "channels_last": False}
+        )  # (N, C_out, *spatial')
         return y.movedim(1, -1).contiguous()
-    return conv(x, w, b, a["stride"], a["padding"], a["dilation"], a["groups"])
+    before, after = conv_padding(a)
+    padding = before
+    if before != after:  # pad explicitly (last dim first, as F.pad takes it), then none
+        x = F.pad(x, [p for d in reversed(range(len(before))) for p in (before[d], after[d])])
+        padding = (0,) * len(before)
+    return conv(x, w, b, a["stride"], padding, a["dilation"], a["groups"])
 
 
 def _pool2d(x: Tensor, a: dict) -> Tensor:

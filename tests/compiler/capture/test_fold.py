@@ -52,3 +52,58 @@ def test_unit_views_sink_below_pointwise_ops() -> None:
     assert add.inputs[0] == e and g.meta(add.output).shape == (4, 8)
     assert g.producer(g.outputs[0]).op == "view"  # type: ignore[union-attr]
     assert_close_to_reference(run_graph(g, inputs), before, rtol_to_max=0)
+
+
+class _PadThenConv(torch.nn.Module):
+    def __init__(self, pads: tuple[int, ...], conv: torch.nn.Module) -> None:
+        super().__init__()
+        self.pads, self.conv = pads, conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(torch.nn.functional.pad(x, self.pads)))
+
+
+def test_a_causal_pad_becomes_the_convs_own_padding() -> None:
+    # F.pad(x, (4, 0)) before a dilated conv: a cat of zeros in front of x, folded into
+    # the conv as 4 zeros before the time axis and none after.
+    model = _PadThenConv((4, 0), torch.nn.Conv1d(16, 32, 3, dilation=2, padding=1)).eval()
+    x = torch.randn(2, 16, 50)
+    g = capture(model, (x,)).graph
+    conv = next(n for n in g.nodes if n.op == "conv")
+    assert "cat" not in [n.op for n in g.nodes]
+    assert conv.inputs[0] == g.inputs[0]
+    assert conv.attrs["padding"] == (5,) and conv.attrs["padding_end"] == (1,)
+    assert_close_to_reference(run_graph(g, [x])[0], model(x), rtol_to_max=1e-5)
+
+
+def test_uneven_2d_pads_fold_one_dim_at_a_time() -> None:
+    # TF-style "same" padding for a stride-2 conv: one zero after W and after H.
+    model = _PadThenConv((0, 1, 2, 1), torch.nn.Conv2d(8, 16, 3, stride=2)).eval()
+    x = torch.randn(1, 8, 17, 17)
+    g = capture(model, (x,)).graph
+    conv = next(n for n in g.nodes if n.op == "conv")
+    assert "cat" not in [n.op for n in g.nodes]
+    assert conv.attrs["padding"] == (2, 0) and conv.attrs["padding_end"] == (1, 1)
+    assert_close_to_reference(run_graph(g, [x])[0], model(x), rtol_to_max=1e-5)
+
+
+def test_a_pad_with_another_reader_or_a_nonzero_value_stays() -> None:
+    class Both(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = torch.nn.Conv1d(4, 4, 3)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            p = torch.nn.functional.pad(x, (2, 0))
+            q = torch.nn.functional.pad(x, (2, 0), value=1.0)
+            return self.conv(p) + p[..., 1:-1], self.conv(q)
+
+    model = Both().eval()
+    x = torch.randn(1, 4, 12)
+    g = capture(model, (x,)).graph
+    convs = [n for n in g.nodes if n.op == "conv"]
+    # the zero pad folds into its conv (the slice still reads the cat); the ones stay
+    assert sorted(c.attrs.get("padding_end", c.attrs["padding"]) for c in convs) == [(0,), (0,)]
+    assert sorted(c.attrs["padding"] for c in convs) == [(0,), (2,)]
+    assert [n.op for n in g.nodes].count("cat") == 2
+    assert_close_to_reference(run_graph(g, [x]), list(model(x)), rtol_to_max=1e-5)

@@ -215,6 +215,52 @@ def test_dense_nhwc_1d() -> None:
     assert _templates(compiled) == ["dconv", "dconv"], compiled.report.kernel_table()
 
 
+class UnevenPads(nn.Module):
+    """Convs after explicit zero pads, each folded into its conv as uneven padding: a
+    causal dilated 1-D conv, a TF-style "same" stride-2 conv (one zero after), a narrow
+    conv (2 outputs over 16 inputs), and an uneven depthwise one."""
+
+    def __init__(self, dims: int) -> None:
+        super().__init__()
+        conv = nn.Conv1d if dims == 1 else nn.Conv2d
+        self.dims = dims
+        self.causal = conv(16, 24, 3, dilation=2)
+        self.strided = conv(24, 16, 3, stride=2)
+        self.narrow = conv(16, 2, 3)
+        self.depthwise = conv(16, 16, 3, groups=16)
+
+    def _pad(self, x: Tensor, before: int, after: int) -> Tensor:
+        return F.pad(x, (before, after) * self.dims)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        y = F.relu(self.causal(self._pad(x, 4, 0)))
+        y = self.strided(self._pad(y, 0, 1))
+        z = self.depthwise(self._pad(y, 2, 1)) + self.narrow(self._pad(y, 1, 2)).sum(1, True)
+        return y, z
+
+
+@pytest.mark.parametrize("dims", [1, 2])
+def test_uneven_padding_runs_natively(dims: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 16, *([19] * dims))
+    compiled = _compile(UnevenPads(dims), x)
+    assert compiled.program is not None
+    convs = [n for n in compiled.program.graph.nodes if n.op == "conv"]
+    assert sum("padding_end" in n.attrs for n in convs) == 4
+    assert "cat" not in [n.op for n in compiled.program.graph.nodes]
+
+
+def test_uneven_padding_in_nchw() -> None:
+    # Captured layout: the depthwise conv natively, oneDNN's call refuses uneven pads
+    # (the dense convs run through PyTorch instead), the result still eager's.
+    torch.manual_seed(0)
+    model = UnevenPads(2).eval()
+    x = torch.randn(2, 16, 13, 13)
+    compiled = kiln.compile(model, (x,), cache=False, layouts="nchw")
+    assert_close_to_reference(compiled(x), model(x))
+    assert "dwconv" in _templates(compiled), compiled.report.kernel_table()
+
+
 def test_onednn_nhwc_call() -> None:
     """A channels-last conv kernel run by oneDNN (the ``conv`` template: conv + bias + ReLU6
     in one call) matches the IR's meaning."""

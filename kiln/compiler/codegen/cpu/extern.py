@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.compiler.fusion.program import Kernel, Program
-from kiln.compiler.ir.graph import Graph
+from kiln.compiler.ir.graph import Graph, conv_padding
 from kiln.compiler.ir.layout import Access
 from kiln.compiler.ir.semantics import eval_node
 
@@ -153,6 +153,9 @@ def conv_step(
             return None
         prev = n.output
     a = conv.attrs
+    before, after = conv_padding(a)
+    if before != after:
+        return None  # oneDNN's call pads alike on both sides
     x_access = prog.access(conv.inputs[0])
     stride, padding, dilation, groups = (
         list(a["stride"]),
