@@ -36,8 +36,12 @@ lint: install
 	$(BIN)/mypy kiln
 	$(BIN)/lint-imports --no-logo  # the architecture's import contracts (pyproject.toml)
 
+# Two pytest workers (the CI host has 2 cores: compiles and subprocess start-ups overlap),
+# then the tests that read the whole machine's load or wall time, alone.
+TEST_WORKERS ?= 2
 test: install lint data
-	$(BIN)/pytest -q -rs --durations=15 tests
+	$(BIN)/pytest -q -rs --durations=15 -n $(TEST_WORKERS) -m "not serial" tests
+	$(BIN)/pytest -q -rs -m serial tests
 
 bench: install
 	$(BIN)/kiln bench

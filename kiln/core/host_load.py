@@ -5,7 +5,8 @@ misprices every later plan: on a 2-core host, engine timings taken while other w
 came out 3-6x slow (SmolLM2's fp32 decode step at 4 GB/s where it streams at 23), and the
 planner then predicted that plan 4x slow on every later run. ``OtherLoad`` measures the
 share of all CPUs that other processes were busy over a window (from ``/proc/stat`` less
-this process's own CPU time, its threads included), so a caller can refuse to cache such
+this process's own CPU time, its threads included, and that of the children it waited
+for, such as the ranks of a launched layout), so a caller can refuse to cache such
 timings. Linux only; elsewhere the share reads 0.
 """
 
@@ -30,6 +31,12 @@ def machine_busy_s() -> tuple[float, float] | None:
     return (sum(v) - idle) / tick, sum(v) / tick
 
 
+def own_cpu_s() -> float:
+    """CPU seconds of this process (all its threads) and of the children it has waited for."""
+    t = os.times()
+    return time.process_time() + t.children_user + t.children_system
+
+
 class OtherLoad:
     """Context manager: ``share`` is the fraction of all CPUs' time that other processes
     were busy between enter and exit (0 to 1; 0 where ``/proc/stat`` is missing)."""
@@ -41,7 +48,7 @@ class OtherLoad:
 
     def __enter__(self) -> OtherLoad:
         self._start = machine_busy_s()
-        self._own = time.process_time()  # this process, all its threads
+        self._own = own_cpu_s()
         return self
 
     def __exit__(
@@ -54,5 +61,5 @@ class OtherLoad:
         if self._start is None or end is None:
             return
         busy, total = end[0] - self._start[0], end[1] - self._start[1]
-        others = busy - (time.process_time() - self._own)
+        others = busy - (own_cpu_s() - self._own)
         self.share = min(1.0, max(0.0, others / total)) if total > 0 else 0.0

@@ -20,6 +20,7 @@ from kiln.core.hardware import (
 )
 
 
+@pytest.mark.serial  # timed: alone on the machine
 def test_calibrate_is_fast_and_sane() -> None:
     threads = torch.get_num_threads()
     t0 = time.perf_counter()

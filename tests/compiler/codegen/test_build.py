@@ -63,6 +63,7 @@ def test_isa_matches_cpu_flags() -> None:
 
 
 @pytest.mark.runtime_build
+@pytest.mark.serial  # timed: alone on the machine
 def test_runtime_loads_from_disk_cache_quickly(runtime: ModuleType) -> None:
     assert hasattr(runtime, "Program")
     start = time.perf_counter()
