@@ -10,6 +10,10 @@
   captures as a ``cat`` with zero blocks) becomes the conv's own padding, uneven where
   the pad is (a causal conv pads only before): the conv kernels read the border as zeros
   anyway, so the copy of the activation goes.
+* ``fold_reflection_pads_into_convs``: likewise a reflection pad (``F.pad`` with
+  ``mode="reflect"``, captured as a gather per dim) becomes the conv's padding by
+  reflection; the dense channels-last conv kernels read the mirrored pixel at the
+  border, so the padded copy goes.
 * ``merge_index_selects``: gathers with constant indices along the same dim compose
   into one (nearest upsampling then reflection padding, each two gathers along H and W,
   become one along H and one along W).
@@ -118,6 +122,57 @@ def _zero_padded(graph: Graph, value: str) -> tuple[str, int, int, int] | None:
     return cat.inputs[k], dim - 2, sum(sizes[:k]), sum(sizes[k + 1 :])
 
 
+def _set_padding(conv: Node, d: int, before: int, after: int, mode: str) -> None:
+    """Grow ``conv``'s padding of spatial dim ``d`` by (before, after), in ``mode``."""
+    b, a = (list(p) for p in conv_padding(conv.attrs))
+    b[d] += before
+    a[d] += after
+    attrs = {k: v for k, v in conv.attrs.items() if k not in ("padding_end", "padding_mode")}
+    attrs["padding"] = tuple(b)
+    if a != b:
+        attrs["padding_end"] = tuple(a)
+    if mode != "zeros":
+        attrs["padding_mode"] = mode
+    conv.attrs = attrs
+
+
+def _reflection(idx: torch.Tensor, size: int) -> tuple[int, int] | None:
+    """(before, after) when ``idx`` gathers F.pad's reflection of a dim of ``size``."""
+    pad = idx.numel() - size
+    if idx.dim() != 1 or pad <= 0:
+        return None
+    for before in range(max(0, pad - size + 1), min(pad, size - 1) + 1):
+        j = torch.arange(idx.numel()) - before
+        want = torch.where(j < 0, -j, torch.where(j >= size, 2 * (size - 1) - j, j))
+        if torch.equal(idx, want):
+            return before, pad - before
+    return None
+
+
+def fold_reflection_pads_into_convs(graph: Graph) -> Graph:
+    """conv(x[reflect(H)][:, reflect(W)]) -> conv(x) padded by reflection, one gather
+    (dim) at a time, when the conv pads nothing else with zeros. Dense convs only (one
+    group): the kernels that mirror the border are the dense channels-last ones."""
+    for conv in graph.nodes:
+        if conv.op != "conv" or conv.attrs.get("channels_last") or conv.attrs["groups"] != 1:
+            continue
+        while (p := graph.producer(conv.inputs[0])) is not None and p.op == "index_select":
+            x, idx = p.inputs
+            d = p.attrs["dim"] % len(graph.meta(x).shape) - 2
+            before, after = conv_padding(conv.attrs)
+            zeros = conv.attrs.get("padding_mode", "zeros") == "zeros"
+            if d < 0 or before[d] or after[d] or (zeros and any(before + after)):
+                break
+            if not graph.is_constant(idx) or graph.meta(x).dtype != torch.float32:
+                break
+            pads = _reflection(graph.constants[idx], graph.meta(x).shape[d + 2])
+            if pads is None:
+                break
+            _set_padding(conv, d, *pads, "reflect")
+            conv.inputs = (x, *conv.inputs[1:])
+    return graph
+
+
 def fold_pads_into_convs(graph: Graph) -> Graph:
     """conv(cat([zeros, x, zeros], spatial dim), W) -> conv(x, W) with that dim's padding
     grown by the zeros on each side; nested pads (one cat per dim) fold one by one. The
@@ -125,16 +180,11 @@ def fold_pads_into_convs(graph: Graph) -> Graph:
     for conv in graph.nodes:
         if conv.op != "conv" or conv.attrs.get("channels_last"):
             continue
+        if conv.attrs.get("padding_mode", "zeros") != "zeros":
+            continue
         while (pad := _zero_padded(graph, conv.inputs[0])) is not None:
-            x, d, more_before, more_after = pad
-            before, after = (list(p) for p in conv_padding(conv.attrs))
-            before[d] += more_before
-            after[d] += more_after
-            attrs = {k: v for k, v in conv.attrs.items() if k != "padding_end"}
-            attrs["padding"] = tuple(before)
-            if after != before:
-                attrs["padding_end"] = tuple(after)
-            conv.attrs = attrs
+            x, d, before, after = pad
+            _set_padding(conv, d, before, after, "zeros")
             conv.inputs = (x, *conv.inputs[1:])
     return graph
 

@@ -188,8 +188,8 @@ def _aten_call(n: Node) -> tuple[object, tuple[Any, ...], dict[str, Any]]:
     if n.op in ("mm", "bmm"):
         return getattr(aten, n.op).default, (t[0], t[1]), {}
     if n.op == "conv":
-        if "padding_end" in a:
-            raise ValueError("no single ATen call pads a conv unevenly")
+        if "padding_end" in a or "padding_mode" in a:
+            raise ValueError("no single ATen call pads a conv unevenly or by reflection")
         bias = t[2] if len(t) > 2 else None
         zeros = [0] * len(a["stride"])
         args = (t[0], t[1], bias, list(a["stride"]), list(a["padding"]), list(a["dilation"]))
@@ -229,6 +229,7 @@ def optimize(graph: Graph) -> Graph:
         drop_unit_reduction_dims,
         fold_conv_affine,
         fold_pads_into_convs,
+        fold_reflection_pads_into_convs,
         merge_index_selects,
         sink_unit_views,
     )
@@ -240,6 +241,7 @@ def optimize(graph: Graph) -> Graph:
     graph = canonicalize_views(graph)
     graph = eliminate_common_subexpressions(graph)
     graph = fold_pads_into_convs(graph)
+    graph = fold_reflection_pads_into_convs(graph)
     graph = fold_conv_affine(graph)
     graph = merge_index_selects(graph)
     graph = drop_unit_reduction_dims(graph)

@@ -6,7 +6,8 @@
 * ``is_pointwise_conv``: 1x1 convolutions, which the native ``gemm`` template runs as
   W (C_out, C_in) @ X (C_in, spatial) per image (channels-last: X (pixels, C_in) @ W^T).
 * ``is_dense_nhwc_conv``: dense channels-last convs, the native ``dconv`` template's
-  (a direct implicit GEMM, ``codegen/cpu/conv_nhwc.py``); oneDNN runs them too.
+  (a direct implicit GEMM, ``codegen/cpu/conv_nhwc.py``; zero or reflect padding);
+  oneDNN runs the zero-padded ones too.
 * ``is_channels_last``: a conv on (N, *spatial, C) values (``capture/channels_last.py``),
   whose 1x1 form is a GEMM with the constant weight packed at compile time and whose
   depthwise form vectorises along channels.
@@ -37,10 +38,11 @@ def onednn_post_ops_ok(ix: GraphIndex, mask: int, c: int, eps: list[int]) -> boo
     """Node ``c`` (a conv) and ``eps`` (the other nodes of ``mask``, positions) are
     conv [-> add(per-channel bias constant)] [-> relu | maximum(c) -> minimum(c)] (the
     oneDNN post-ops: bias, relu, hardtanh), storing only the last value, and the conv
-    pads alike on both sides of each dim (oneDNN's call takes one padding per dim)."""
+    pads with zeros alike on both sides of each dim (oneDNN's call takes one padding per
+    dim)."""
     nodes, g = ix.nodes, ix.graph
     before, after = conv_padding(nodes[c].attrs)
-    if before != after:
+    if before != after or not zero_padded(nodes[c]):
         return False
     shape = g.meta(nodes[c].output).shape
     chain = [c] + sorted(eps)  # node indices are topological
@@ -91,10 +93,17 @@ def is_channels_last(node: Node) -> bool:
     return node.op == "conv" and bool(node.attrs.get("channels_last", False))
 
 
+def zero_padded(node: Node) -> bool:
+    """A conv whose padding is zeros (not a reflection of the border)."""
+    return node.attrs.get("padding_mode", "zeros") == "zeros"
+
+
 def is_depthwise_conv(graph: Graph, node: Node) -> bool:
-    """A 1-D or 2-D fp32 conv with groups == C_in == C_out (channel multiplier 1) and
-    constant weight and bias: what the native ``dwconv`` template runs."""
+    """A 1-D or 2-D fp32 zero-padded conv with groups == C_in == C_out (channel multiplier
+    1) and constant weight and bias: what the native ``dwconv`` template runs."""
     if node.op != "conv" or not all(graph.is_constant(v) for v in node.inputs[1:]):
+        return False
+    if not zero_padded(node):
         return False
     w, x = graph.meta(node.inputs[1]).shape, graph.meta(node.inputs[0]).shape
     channels = x[-1] if is_channels_last(node) else x[1]

@@ -94,8 +94,9 @@ GEMMS = {
     "mm",  # (M, K) x (K, N) -> (M, N)
     "bmm",  # (B, M, K) x (B, K, N) -> (B, M, N)
     # conv: (x, w[, b]); attrs stride, padding, dilation: tuple[int, ...], groups: int;
-    # zero padding before each spatial dim, and after it too unless attrs["padding_end"]
-    # gives that (``conv_padding``: a causal conv pads only before);
+    # padding before each spatial dim, and after it too unless attrs["padding_end"]
+    # gives that (``conv_padding``: a causal conv pads only before), zeros unless
+    # attrs["padding_mode"] is "reflect" (F.pad's mirror of the border, folded in);
     # x (N, C, *spatial) -> (N, C_out, *spatial'), or with attrs["channels_last"] True
     # x (N, *spatial, C) -> (N, *spatial', C_out); w is (C_out, C/groups, *kernel) either way
     "conv",
@@ -132,7 +133,8 @@ OPS: dict[str, OpClass] = {
 
 
 def conv_padding(attrs: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A conv's zero padding (before, after) each spatial dim."""
+    """A conv's padding (before, after) each spatial dim (``attrs["padding_mode"]``: of
+    zeros or reflected)."""
     before = tuple(attrs["padding"])
     return before, tuple(attrs.get("padding_end", before))
 

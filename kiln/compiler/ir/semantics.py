@@ -127,9 +127,11 @@ def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
         )  # (N, C_out, *spatial')
         return y.movedim(1, -1).contiguous()
     before, after = conv_padding(a)
+    mode = a.get("padding_mode", "zeros")
     padding = before
-    if before != after:  # pad explicitly (last dim first, as F.pad takes it), then none
-        x = F.pad(x, [p for d in reversed(range(len(before))) for p in (before[d], after[d])])
+    if before != after or mode != "zeros":  # pad explicitly (last dim first), then none
+        pads = [p for d in reversed(range(len(before))) for p in (before[d], after[d])]
+        x = F.pad(x, pads, mode="constant" if mode == "zeros" else mode)
         padding = (0,) * len(before)
     return conv(x, w, b, a["stride"], padding, a["dilation"], a["groups"])
 

@@ -107,3 +107,36 @@ def test_a_pad_with_another_reader_or_a_nonzero_value_stays() -> None:
     assert sorted(c.attrs["padding"] for c in convs) == [(0,), (2,)]
     assert [n.op for n in g.nodes].count("cat") == 2
     assert_close_to_reference(run_graph(g, [x]), list(model(x)), rtol_to_max=1e-5)
+
+
+class _ReflectThenConv(torch.nn.Module):
+    def __init__(self, pads: tuple[int, ...], conv: torch.nn.Module) -> None:
+        super().__init__()
+        self.pads, self.conv = pads, conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(torch.nn.functional.pad(x, self.pads, mode="reflect"))
+
+
+def test_a_reflection_pad_becomes_the_convs_padding() -> None:
+    # F.pad(..., mode="reflect") captures as a gather per dim; uneven pads stay uneven.
+    model = _ReflectThenConv((1, 1, 2, 0), torch.nn.Conv2d(8, 16, 3)).eval()
+    x = torch.randn(1, 8, 9, 11)
+    g = capture(model, (x,)).graph
+    conv = next(n for n in g.nodes if n.op == "conv")
+    assert [n.op for n in g.nodes] == ["conv"]
+    assert conv.attrs["padding_mode"] == "reflect"
+    assert conv.attrs["padding"] == (2, 1) and conv.attrs["padding_end"] == (0, 1)
+    assert_close_to_reference(run_graph(g, [x])[0], model(x), rtol_to_max=1e-5)
+
+
+def test_reflection_stays_where_the_conv_pads_zeros_or_is_depthwise() -> None:
+    # A conv with zero padding of its own cannot also mirror; nor a depthwise conv (its
+    # kernel pads with zeros): their gathers stay and the graph means what eager does.
+    for conv in (torch.nn.Conv2d(8, 8, 3, padding=1), torch.nn.Conv2d(8, 8, 3, groups=8)):
+        model = _ReflectThenConv((1, 1, 1, 1), conv).eval()
+        x = torch.randn(1, 8, 9, 11)
+        g = capture(model, (x,)).graph
+        assert [n.op for n in g.nodes].count("index_select") == 2
+        assert all("padding_mode" not in n.attrs for n in g.nodes)
+        assert_close_to_reference(run_graph(g, [x])[0], model(x), rtol_to_max=1e-5)

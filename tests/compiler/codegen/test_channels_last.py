@@ -250,6 +250,37 @@ def test_uneven_padding_runs_natively(dims: int) -> None:
     assert "cat" not in [n.op for n in compiled.program.graph.nodes]
 
 
+class Reflected(nn.Module):
+    """Style-transfer-like convs after reflection pads, folded into each conv: a 9x9 stem
+    reading the NCHW image in place, a stride-2 3x3, an uneven 3x3 and a narrow 9x9 back
+    to 3 channels (the ``conv_narrow`` kernel)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 9)
+        self.down = nn.Conv2d(16, 32, 3, stride=2)
+        self.uneven = nn.Conv2d(32, 16, 3)
+        self.out = nn.Conv2d(16, 3, 9)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = F.relu(self.stem(F.pad(x, (4, 4, 4, 4), mode="reflect")))
+        y = F.relu(self.down(F.pad(y, (1, 1, 1, 1), mode="reflect")))
+        y = F.relu(self.uneven(F.pad(y, (2, 0, 1, 1), mode="reflect")))
+        y = F.interpolate(y, scale_factor=2.0, mode="nearest")
+        return self.out(F.pad(y, (4, 4, 4, 4), mode="reflect"))
+
+
+def test_reflection_padding_runs_natively(vector_isa: str) -> None:
+    torch.manual_seed(0)
+    compiled = _compile(Reflected(), torch.randn(1, 3, 21, 19))
+    assert compiled.program is not None
+    convs = [n for n in compiled.program.graph.nodes if n.op == "conv"]
+    assert [n.attrs.get("padding_mode") for n in convs] == ["reflect"] * 4
+    assert _templates(compiled) == ["dconv"] * 4, compiled.report.kernel_table()
+    source = compiled.native_program.source if compiled.native_program else ""
+    assert "conv_narrow emitted" in source
+
+
 def test_uneven_padding_in_nchw() -> None:
     # Captured layout: the depthwise conv natively, oneDNN's call refuses uneven pads
     # (the dense convs run through PyTorch instead), the result still eager's.

@@ -11,7 +11,8 @@ summed across its lanes (``kv::hsum``), the bias added, and the pixel's C_out va
 go through the fused epilogue as one partial vector. The weight is packed once as
 (C_out, KH, KW, C_in). Pixels are walked row by row in blocks of ``PX`` on one row, as
 in ``conv_nhwc``: a block whose taps all lie inside the image reads at fixed offsets,
-a border block with a pointer per pixel and tap (a zero row in the padding).
+a border block with a pointer per pixel and tap (a zero row in zero padding, the mirrored
+pixel in reflect padding).
 x (N, IH, IW, C_in) with C_in a whole number of vectors, out (N, OH, OW, C_out).
 """
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, pixel_chunks
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, border_tap, interior, pixel_chunks
 from kiln.compiler.codegen.cpu.dwconv_nhwc import epilogue
 from kiln.compiler.fusion.convs import is_narrow_conv
 
@@ -79,7 +80,7 @@ def emit_conv_narrow(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
 
 def _block(s: ConvNhwcSpec, npx: int, lanes: int, fast: bool) -> list[str]:
     """Pixels m .. m + npx - 1 (on one output row when ``fast``), every output channel."""
-    (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
+    (kh, kw), ow_n = s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
     sx_h, sx_w = s.x.strides[1], s.x.strides[2]
     L = []
@@ -98,9 +99,9 @@ def _block(s: ConvNhwcSpec, npx: int, lanes: int, fast: bool) -> list[str]:
     else:
         for p in range(npx):
             L.append(f"    const int64_t iw{p} = ow{p} * {sw} - {pw} + v * {dw};")
-            inside = f"ih{p} >= 0 && ih{p} < {ih_n} && iw{p} >= 0 && iw{p} < {iw_n}"
+            inside, row, col = border_tap(s, p)
             L.append(
-                f"    const float* x{p} = {inside} ? xn + ih{p} * {sx_h} + iw{p} * {sx_w} : zrow;"
+                f"    const float* x{p} = ({inside}) ? xn + {row} * {sx_h} + {col} * {sx_w} : zrow;"
             )
     L.append(f"    const float* wr = wt + (u * {kw} + v) * {s.c_in};")
     L.append(f"    for (int64_t c = 0; c < {s.c_in}; c += {lanes}) {{")

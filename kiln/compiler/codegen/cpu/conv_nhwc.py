@@ -12,8 +12,9 @@ weight vectors and a task streams its panel linearly. A register block holds
 pixels, the size that divides the row best): per K step, ``CB`` weight loads, ``PX``
 broadcasts of input channels, ``PX * CB`` FMAs. A block whose every tap lies inside the
 image reads pixel p's channels at a fixed offset from one pointer per tap; a border block
-takes one pointer per pixel and tap, a zero row for taps in the padding, so the border
-needs no other code. Tasks are (image, whole output rows, output-channel block), run in
+(on one output row too) skips kernel rows in zero padding and reads a tap whose columns
+all lie inside at fixed offsets as well, the others through one pointer per pixel: a zero
+row in the padding (or, padded by reflection, the mirrored pixel). Tasks are (image, whole output rows, output-channel block), run in
 parallel; a row's pixels past its last full block run one at a time. This is what the
 stem of a CNN wants (3 input channels, read in place from the NCHW image, where oneDNN's
 NHWC call runs at a fraction of its usual rate); oneDNN stays the other choice for every
@@ -27,13 +28,13 @@ from collections.abc import Callable
 import torch
 
 from kiln.compiler.codegen.cpu.conv_narrow import emit_conv_narrow, is_narrow, pack_narrow
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, pixel_chunks
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, mirror, pixel_chunks
 from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_epilogue
 from kiln.compiler.codegen.cpu.dwconv_nhwc import (
     channel_blocks,
     epilogue,
 )
-from kiln.compiler.fusion.convs import is_dense_nhwc_conv
+from kiln.compiler.fusion.convs import is_dense_nhwc_conv, zero_padded
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Node
 
@@ -187,27 +188,48 @@ def _k_steps(
 
 
 def _block(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) -> list[str]:
-    """Pixels m .. m + npx - 1 x ``nb`` output-channel vectors from ``c0``."""
+    """Pixels m .. m + npx - 1 of one output row x ``nb`` output-channel vectors from
+    ``c0``, some tap reading the padding. A kernel row wholly in zero padding adds nothing
+    and is skipped (with reflect padding the mirrored row is read); per tap, the pixels
+    read at fixed offsets when their columns all lie inside the image (as interior blocks
+    do), else through a pointer each: the zero row, or the mirrored pixel."""
     (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
     sx_h, sx_w, sx_c = s.x.strides[1], s.x.strides[2], s.x.strides[3]
-    L = []
-    for p in range(npx):
-        L.append(f"const int64_t oh{p} = (m + {p}) / {ow_n}, ow{p} = (m + {p}) % {ow_n};")
+    at = "ci" if sx_c == 1 else f"ci * {sx_c}"
+    L = [f"const int64_t oh = m / {ow_n}, ow = m % {ow_n};"]
+    L += [f"const int64_t oh{p} = oh, ow{p} = ow + {p};" for p in range(npx)]
     L += _accumulators(npx, nb, lanes)
     L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
-    for p in range(npx):
-        L.append(f"  const int64_t ih{p} = oh{p} * {sh} - {ph} + u * {dh};")
+    L.append(f"  int64_t ih = oh * {sh} - {ph} + u * {dh};")
+    if s.reflect:
+        L.append(f"  ih = {mirror('ih', ih_n)};")
+    else:
+        L.append(f"  if (ih < 0 || ih >= {ih_n}) continue;  // a row of zeros adds nothing")
+    L.append(f"  const float* xh = xn + ih * {sx_h};")
     L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
+    L.append(f"    const int64_t iw = ow * {sw} - {pw} + v * {dw};")
+    L.append(f"    if (iw >= 0 && iw + {(npx - 1) * sw} < {iw_n}) {{")
+    L.append(f"      const float* xr = xh + iw * {sx_w};")
+    L += ["  " + x for x in _k_steps(s, npx, nb, lanes, lambda p: f"xr[{p * sw * sx_w} + {at}]")]
+    L.append("    } else {")
     for p in range(npx):
-        L.append(f"    const int64_t iw{p} = ow{p} * {sw} - {pw} + v * {dw};")
-        inside = f"ih{p} >= 0 && ih{p} < {ih_n} && iw{p} >= 0 && iw{p} < {iw_n}"
-        L.append(f"    const bool in{p} = {inside};")
-        L.append(f"    const float* x{p} = in{p} ? xn + ih{p} * {sx_h} + iw{p} * {sx_w} : zrow;")
-        if sx_c != 1:  # strided channels (an NCHW image read in place): the zero row is not
-            L.append(f"    const int64_t s{p} = in{p} ? {sx_c} : 0;")
-    L += _k_steps(s, npx, nb, lanes, lambda p: f"x{p}[ci]" if sx_c == 1 else f"x{p}[ci * s{p}]")
-    L += ["  }", "}"]
+        col = f"iw + {p * sw}"
+        if s.reflect:
+            L.append(f"      const float* x{p} = xh + {mirror(col, iw_n)} * {sx_w};")
+        else:
+            L.append(f"      const bool in{p} = {col} >= 0 && {col} < {iw_n};")
+            L.append(f"      const float* x{p} = in{p} ? xh + ({col}) * {sx_w} : zrow;")
+            if sx_c != 1:  # strided channels (an NCHW image read in place): not the zero row
+                L.append(f"      const int64_t s{p} = in{p} ? {sx_c} : 0;")
+
+    def channel(p: int) -> str:  # pixel p's input channel ci
+        if sx_c == 1:
+            return f"x{p}[ci]"
+        return f"x{p}[ci * {sx_c}]" if s.reflect else f"x{p}[ci * s{p}]"
+
+    L += ["  " + x for x in _k_steps(s, npx, nb, lanes, channel)]
+    L += ["    }", "  }", "}"]
     return L + _stores(s, npx, nb, tail, lanes)
 
 
@@ -258,6 +280,7 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
             ("conv_narrow" if narrow else "conv_nhwc", w_name, b_name, lanes), packed
         ),
         epi=nhwc_epilogue(gen, k, nodes),
+        reflect=not zero_padded(conv),
     )
     if narrow:  # few output channels: vectorised along the input channels
         return emit_conv_narrow(spec, lanes, gen.threads)

@@ -154,8 +154,8 @@ def conv_step(
         prev = n.output
     a = conv.attrs
     before, after = conv_padding(a)
-    if before != after:
-        return None  # oneDNN's call pads alike on both sides
+    if before != after or a.get("padding_mode", "zeros") != "zeros":
+        return None  # oneDNN's call pads with zeros, alike on both sides
     x_access = prog.access(conv.inputs[0])
     stride, padding, dilation, groups = (
         list(a["stride"]),
