@@ -12,7 +12,7 @@ go through the fused epilogue as one partial vector. The weight is packed once a
 (C_out, KH, KW, C_in). Pixels are walked row by row in blocks of ``PX`` on one row, as
 in ``conv_nhwc``: a block whose taps all lie inside the image reads at fixed offsets,
 a border block with a pointer per pixel and tap (a zero row in zero padding, the mirrored
-pixel in reflect padding).
+pixel in reflect padding; a kernel row wholly in zero padding is skipped).
 x (N, IH, IW, C_in) with C_in a whole number of vectors, out (N, OH, OW, C_out).
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, border_tap, interior, pixel_chunks
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, mirror, pixel_chunks
 from kiln.compiler.codegen.cpu.dwconv_nhwc import epilogue
 from kiln.compiler.fusion.convs import is_narrow_conv
 
@@ -80,7 +80,7 @@ def emit_conv_narrow(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
 
 def _block(s: ConvNhwcSpec, npx: int, lanes: int, fast: bool) -> list[str]:
     """Pixels m .. m + npx - 1 (on one output row when ``fast``), every output channel."""
-    (kh, kw), ow_n = s.kernel, s.out_hw[1]
+    (ih_n, iw_n), (kh, kw), ow_n = s.in_hw, s.kernel, s.out_hw[1]
     (sh, sw), (ph, pw), (dh, dw) = s.stride, s.padding, s.dilation
     sx_h, sx_w = s.x.strides[1], s.x.strides[2]
     L = []
@@ -88,21 +88,23 @@ def _block(s: ConvNhwcSpec, npx: int, lanes: int, fast: bool) -> list[str]:
         L.append(f"const int64_t oh{p} = (m + {p}) / {ow_n}, ow{p} = (m + {p}) % {ow_n};")
     L += [f"kv::V a{p}_{o} = kv::splat(0.0f);" for p in range(npx) for o in range(s.c_out)]
     L.append(f"for (int64_t u = 0; u < {kh}; ++u) {{")
-    if not fast:
-        for p in range(npx):
-            L.append(f"  const int64_t ih{p} = oh{p} * {sh} - {ph} + u * {dh};")
+    L.append(f"  int64_t ih = oh0 * {sh} - {ph} + u * {dh};  // the block is on one row")
+    if not fast and s.reflect:
+        L.append(f"  ih = {mirror('ih', ih_n)};")
+    elif not fast:
+        L.append(f"  if (ih < 0 || ih >= {ih_n}) continue;  // a row of zeros adds nothing")
+    L.append(f"  const float* xh = xn + ih * {sx_h};")
     L.append(f"  for (int64_t v = 0; v < {kw}; ++v) {{")
-    if fast:
-        L.append(f"    const float* xr = xn + (oh0 * {sh} - {ph} + u * {dh}) * {sx_h}"
-                 f" + (ow0 * {sw} - {pw} + v * {dw}) * {sx_w};")  # fmt: skip
-        L += [f"    const float* x{p} = xr + {p * sw * sx_w};" for p in range(npx)]
-    else:
-        for p in range(npx):
-            L.append(f"    const int64_t iw{p} = ow{p} * {sw} - {pw} + v * {dw};")
-            inside, row, col = border_tap(s, p)
-            L.append(
-                f"    const float* x{p} = ({inside}) ? xn + {row} * {sx_h} + {col} * {sx_w} : zrow;"
-            )
+    L.append(f"    const int64_t iw = ow0 * {sw} - {pw} + v * {dw};")
+    for p in range(npx):
+        col = f"iw + {p * sw}"
+        if fast:
+            at = f"xh + ({col}) * {sx_w}"
+        elif s.reflect:
+            at = f"xh + {mirror(col, iw_n)} * {sx_w}"
+        else:
+            at = f"({col} >= 0 && {col} < {iw_n}) ? xh + ({col}) * {sx_w} : zrow"
+        L.append(f"    const float* x{p} = {at};")
     L.append(f"    const float* wr = wt + (u * {kw} + v) * {s.c_in};")
     L.append(f"    for (int64_t c = 0; c < {s.c_in}; c += {lanes}) {{")
     for o in range(s.c_out):

@@ -1,6 +1,7 @@
 """What the dense channels-last conv kernels (``conv_nhwc``, ``conv_narrow``) share: the
 conv's shape and operands, how output pixels are split into parallel tasks, when a
-block of pixels on one output row reads no padding, and where a border tap reads."""
+block of pixels on one output row reads no padding, and how a padded coordinate is
+mirrored (reflect padding)."""
 
 from __future__ import annotations
 
@@ -56,14 +57,3 @@ def mirror(i: str, n: int) -> str:
     """C++: padded coordinate ``i`` (an expression) of a dim of ``n`` mirrored into [0, n)."""
     i = f"({i})"
     return f"({i} < 0 ? -{i} : ({i} >= {n} ? {2 * (n - 1)} - {i} : {i}))"
-
-
-def border_tap(s: ConvNhwcSpec, p: int) -> tuple[str, str, str]:
-    """C++ (inside, row, column) of pixel p's tap at (ih{p}, iw{p}) in a border block:
-    with zero padding a tap outside the image reads the zero row instead; with reflect
-    padding every tap reads the mirrored pixel, inside by construction."""
-    ih_n, iw_n = s.in_hw
-    if s.reflect:
-        return "true", mirror(f"ih{p}", ih_n), mirror(f"iw{p}", iw_n)
-    inside = f"ih{p} >= 0 && ih{p} < {ih_n} && iw{p} >= 0 && iw{p} < {iw_n}"
-    return inside, f"ih{p}", f"iw{p}"
