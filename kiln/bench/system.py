@@ -134,10 +134,15 @@ def write_result(
     result: dict[str, Any], out_dir: str | Path, name: str, markdown: str | None = None
 ) -> dict[str, Any]:
     """Write ``result`` as ``out_dir/name`` (JSON, recording its own portable path) and,
-    if given, ``markdown`` beside it (``.md``); return ``result`` with the usable paths."""
+    if given, ``markdown`` beside it (``.md``); return ``result`` with the usable paths.
+    An earlier result of that name is never overwritten: the new one is ``name-2``, ..."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / name
+    n = 1
+    while path.exists() or path.with_suffix(".md").exists():
+        n += 1
+        path = out / f"{Path(name).stem}-{n}{Path(name).suffix}"
     result["path"] = portable_path(path)
     if markdown is not None:
         result["markdown_path"] = portable_path(path.with_suffix(".md"))

@@ -75,3 +75,13 @@ def test_compare_errors() -> None:
 def test_device_slug() -> None:
     cpu = {"name": "AMD EPYC 9R45 96-Core Processor", "avx512f": True, "avx2": True}
     assert system.device_slug(cpu) == "amd-epyc-9r45-96-core-avx512"
+
+
+def test_a_result_never_overwrites_an_earlier_one(tmp_path: Path) -> None:
+    # Two runs on one day get the same name: the second becomes name-2, the first stays.
+    first = system.write_result({"run": 1}, tmp_path, "host-20260101.json", markdown="one")
+    second = system.write_result({"run": 2}, tmp_path, "host-20260101.json", markdown="two")
+    assert Path(first["path"]).name == "host-20260101.json"
+    assert Path(second["path"]).name == "host-20260101-2.json"
+    assert json.loads((tmp_path / "host-20260101.json").read_text())["run"] == 1
+    assert (tmp_path / "host-20260101-2.md").read_text() == "two"
