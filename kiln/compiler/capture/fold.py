@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.ir.graph import Graph, Node, TensorMeta, conv_padding
+from kiln.compiler.ir.graph import Graph, Node, TensorMeta, conv_padding, conv_padding_mode
 
 
 def _consumers(graph: Graph) -> dict[str, list[Node]]:
@@ -160,7 +160,7 @@ def fold_reflection_pads_into_convs(graph: Graph) -> Graph:
             x, idx = p.inputs
             d = p.attrs["dim"] % len(graph.meta(x).shape) - 2
             before, after = conv_padding(conv.attrs)
-            zeros = conv.attrs.get("padding_mode", "zeros") == "zeros"
+            zeros = conv_padding_mode(conv.attrs) == "zeros"
             if d < 0 or before[d] or after[d] or (zeros and any(before + after)):
                 break
             if not graph.is_constant(idx) or graph.meta(x).dtype != torch.float32:
@@ -180,7 +180,7 @@ def fold_pads_into_convs(graph: Graph) -> Graph:
     for conv in graph.nodes:
         if conv.op != "conv" or conv.attrs.get("channels_last"):
             continue
-        if conv.attrs.get("padding_mode", "zeros") != "zeros":
+        if conv_padding_mode(conv.attrs) != "zeros":
             continue
         while (pad := _zero_padded(graph, conv.inputs[0])) is not None:
             x, d, before, after = pad

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from kiln.compiler.fusion.aliases import GraphIndex
-from kiln.compiler.ir.graph import Graph, Node, ValueKind, conv_padding
+from kiln.compiler.ir.graph import Graph, Node, ValueKind, conv_padding, conv_padding_mode
 
 # Ops a oneDNN conv kernel may hold after its conv (bias add, relu, hardtanh).
 _POST_OPS = frozenset({"add", "relu", "maximum", "minimum"})
@@ -41,8 +41,7 @@ def onednn_post_ops_ok(ix: GraphIndex, mask: int, c: int, eps: list[int]) -> boo
     pads with zeros alike on both sides of each dim (oneDNN's call takes one padding per
     dim)."""
     nodes, g = ix.nodes, ix.graph
-    before, after = conv_padding(nodes[c].attrs)
-    if before != after or not zero_padded(nodes[c]):
+    if not onednn_pads(nodes[c]):
         return False
     shape = g.meta(nodes[c].output).shape
     chain = [c] + sorted(eps)  # node indices are topological
@@ -95,7 +94,13 @@ def is_channels_last(node: Node) -> bool:
 
 def zero_padded(node: Node) -> bool:
     """A conv whose padding is zeros (not a reflection of the border)."""
-    return node.attrs.get("padding_mode", "zeros") == "zeros"
+    return conv_padding_mode(node.attrs) == "zeros"
+
+
+def onednn_pads(node: Node) -> bool:
+    """A conv oneDNN's call can pad: zeros, alike on both sides of each dim."""
+    before, after = conv_padding(node.attrs)
+    return before == after and zero_padded(node)
 
 
 def is_depthwise_conv(graph: Graph, node: Node) -> bool:

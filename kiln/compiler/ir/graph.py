@@ -139,6 +139,11 @@ def conv_padding(attrs: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return before, tuple(attrs.get("padding_end", before))
 
 
+def conv_padding_mode(attrs: dict) -> str:
+    """What a conv's padding holds: ``"zeros"`` or ``"reflect"``."""
+    return str(attrs.get("padding_mode", "zeros"))
+
+
 @dataclass(frozen=True)
 class TensorMeta:
     shape: tuple[int, ...]

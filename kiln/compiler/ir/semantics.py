@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from kiln.compiler.ir.graph import Graph, Node, conv_padding
+from kiln.compiler.ir.graph import Graph, Node, conv_padding, conv_padding_mode
 
 Tensor = torch.Tensor
 
@@ -127,7 +127,7 @@ def _conv(args: Sequence[Tensor], a: dict) -> Tensor:
         )  # (N, C_out, *spatial')
         return y.movedim(1, -1).contiguous()
     before, after = conv_padding(a)
-    mode = a.get("padding_mode", "zeros")
+    mode = conv_padding_mode(a)
     padding = before
     if before != after or mode != "zeros":  # pad explicitly (last dim first), then none
         pads = [p for d in reversed(range(len(before))) for p in (before[d], after[d])]

@@ -14,11 +14,11 @@ broadcasts of input channels, ``PX * CB`` FMAs. A block whose every tap lies ins
 image reads pixel p's channels at a fixed offset from one pointer per tap; a border block
 (on one output row too) skips kernel rows in zero padding and reads a tap whose columns
 all lie inside at fixed offsets as well, the others through one pointer per pixel: a zero
-row in the padding (or, padded by reflection, the mirrored pixel). Tasks are (image, whole output rows, output-channel block), run in
-parallel; a row's pixels past its last full block run one at a time. This is what the
-stem of a CNN wants (3 input channels, read in place from the NCHW image, where oneDNN's
-NHWC call runs at a fraction of its usual rate); oneDNN stays the other choice for every
-dense conv, and the cost model picks.
+row in the padding (or, padded by reflection, the mirrored pixel). Tasks are (image,
+whole output rows, output-channel block), run in parallel; a row's pixels past its last
+full block run one at a time. This is what the stem of a CNN wants (3 input channels,
+read in place from the NCHW image, where oneDNN's NHWC call runs at a fraction of its
+usual rate); oneDNN stays the other choice for every dense conv, and the cost model picks.
 """
 
 from __future__ import annotations

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from kiln.compiler.fusion.convs import onednn_pads
 from kiln.compiler.fusion.program import Kernel, Program
-from kiln.compiler.ir.graph import Graph, conv_padding
+from kiln.compiler.ir.graph import Graph
 from kiln.compiler.ir.layout import Access
 from kiln.compiler.ir.semantics import eval_node
 
@@ -153,8 +154,7 @@ def conv_step(
             return None
         prev = n.output
     a = conv.attrs
-    before, after = conv_padding(a)
-    if before != after or a.get("padding_mode", "zeros") != "zeros":
+    if not onednn_pads(conv):
         return None  # oneDNN's call pads with zeros, alike on both sides
     x_access = prog.access(conv.inputs[0])
     stride, padding, dilation, groups = (
