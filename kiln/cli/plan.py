@@ -28,7 +28,8 @@ def plan(
     no_offload: Annotated[bool, typer.Option("--no-offload", help="never offload weights")] = False,
     out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans)")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans): speed, memory, and perplexity on held-out text")] = False,
+    verify_tokens: Annotated[int, typer.Option(help="tokens of the confirmation text --verify scores")] = 4096,
     emit: Annotated[str, typer.Option(help="also print the launch for torchrun or vllm")] = "",
     plot: Annotated[str, typer.Option(help="write the latency / cost picture (PNG) here; default: beside --out")] = "",
 ) -> None:  # fmt: skip
@@ -40,7 +41,9 @@ def plan(
     An infeasible request prints the closest plan, each constraint it misses and by how
     much, and the single changes that would make it feasible. With --verify a CPU plan is
     executed in a fresh process and its measured figures are printed beside the predicted
-    ones. With --emit torchrun|vllm the plan is also printed as that engine's launch line(s),
+    ones, and its perplexity increase is measured on text no choice was made on (Sense and
+    Sensibility, --verify-tokens tokens) with a 95% upper bound: confirmed within the
+    budget, or said not to be. With --emit torchrun|vllm the plan is also printed as that engine's launch line(s),
     with the parts of the plan the engine cannot express. The latency / cost Pareto frontier
     is printed as a table and drawn (every layout that fits, coloured by accuracy) to --plot,
     or beside --out (plan.json -> plan.png)."""
@@ -69,12 +72,14 @@ def plan(
             if emit not in ENGINES:
                 raise ValueError(f"--emit must be one of {', '.join(ENGINES)}, got {emit!r}")
             launch = emit_plan(doc, emit)  # type: ignore[arg-type]
-    checked = None
+    checked, accuracy = None, None
     if verify and doc["feasible"]:
         from kiln.deploy.plan_job import verify as verify_plan
+        from kiln.deploy.plan_job import verify_accuracy
 
-        with console.status("executing the plan"), refused():
+        with console.status("executing the plan") as status, refused():
             checked = verify_plan(result, model)
+            accuracy = verify_accuracy(result, model, verify_tokens, status.update)
     picture = Path(plot) if plot else (Path(out).with_suffix(".png") if out else None)
     if picture is not None:
         from kiln.deploy.plan_plot import plot_plan
@@ -82,6 +87,8 @@ def plan(
         plot_plan(result.plan, picture)
     if as_json:
         extra: dict = {"verified": checked} if checked else {}
+        if accuracy is not None:
+            extra["verified_accuracy"] = accuracy.as_dict()
         if launch is not None:
             extra["emit"] = {"engine": emit, "lines": launch.lines,
                              "cannot_express": launch.cannot_express}  # fmt: skip
@@ -95,6 +102,11 @@ def plan(
                 name, f"{row['predicted']:.4g}", f"{row['measured']:.4g}", f"{row['error']:+.1%}"
             )
         console.print(table)
+    if accuracy is not None:
+        measured = ("" if accuracy.increase is None else
+                    f", measured +{accuracy.increase:.2%} (95% upper bound +{accuracy.upper:.2%})"
+                    f" on {accuracy.tokens} tokens of {accuracy.text}")  # fmt: skip
+        console.print(f"perplexity: prior +{accuracy.prior:.2%}{measured}: {accuracy.verdict}")
     if launch is not None:
         console.print(f"[bold]{emit}[/bold]:")
         for line in launch.lines:

@@ -67,7 +67,7 @@ def _vocab_size(model: str) -> int:
     return read_architecture(model).vocab_size
 
 
-def _request(model: str, fmt: str) -> Any:
+def run_request(model: str, fmt: str) -> Any:
     """The ``kiln run`` request of a plan in format ``fmt`` (the loads below are its own)."""
     from kiln.deploy.generate_job import GenerateRequest
 
@@ -84,7 +84,7 @@ def _run_here(
     from kiln.llm.offload import load_offloaded
     from kiln.models.load import load_model
 
-    request = _request(model, fmt)
+    request = run_request(model, fmt)
     dtype, in_format = load_options(request)
     batch, max_len = prompt.shape[0], prompt.shape[1] + gen_len
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as store:
@@ -131,7 +131,7 @@ def _rank_run(
     from kiln.parallel.mesh import Mesh, PartLoader, rank_decoder
 
     mesh = Mesh.create(tp, pp)
-    source = PartLoader(partial(load_rank_part, _request(model, fmt)))
+    source = PartLoader(partial(load_rank_part, run_request(model, fmt)))
     decoder = rank_decoder(source, mesh, prompt.shape[0], prompt.shape[1] + gen_len, split)
     return {**_timed(decoder, prompt, gen_len), "peak_rss_bytes": peak_rss_bytes()}
 

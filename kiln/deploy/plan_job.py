@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import Measurements
@@ -15,6 +15,9 @@ from kiln.deploy.hardware import Hardware, meminfo_bytes, parse_hardware
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import Plan, Request, plan
 from kiln.models.config import ModelConfig
+
+if TYPE_CHECKING:
+    from kiln.deploy.plan_quality import AccuracyCheck
 
 
 @dataclass
@@ -78,6 +81,18 @@ def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
         "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_rss_bytes)),
     }
     return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}
+
+
+def verify_accuracy(
+    result: PlanResult, model: str, tokens: int, note: Callable[[str], None] = lambda _: None
+) -> AccuracyCheck:
+    """The chosen plan's perplexity increase on ``model``, measured on ``tokens`` tokens of
+    the confirmation text beside its prior and budget (``plan_quality``)."""
+    from kiln.deploy.plan_quality import check_accuracy
+
+    doc = result.document
+    return check_accuracy(model, doc["compression"]["format"], doc["predicted"]["ppl_increase"],
+                          result.plan.request.max_ppl_increase, tokens, note)  # fmt: skip
 
 
 def measurements(

