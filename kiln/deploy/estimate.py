@@ -20,12 +20,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kiln.deploy import estimate_cpu
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
 from kiln.deploy.kernel_rates import Rates
 from kiln.deploy.stages import balanced_stages
+
+if TYPE_CHECKING:
+    from kiln.deploy.plan_quality import MeasuredAccuracy
 
 
 @dataclass(frozen=True)
@@ -112,11 +116,14 @@ class Measurements:
                       a plan of R ranks is priced with the table at ``cores // R`` threads
                       (``estimate_cpu``), replacing the roofline's guess
     cores             the cores the ranks share
+    accuracy          each weight format's perplexity increase on this checkpoint, measured
+                      on the search text (``plan_quality``), in place of the planner's priors
     """
 
     checkpoint_bytes: int = 0
     rates: Mapping[int, Rates] | None = None
     cores: int = 2
+    accuracy: MeasuredAccuracy | None = None
 
 
 NOTHING_MEASURED = Measurements()

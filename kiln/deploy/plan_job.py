@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,7 +17,7 @@ from kiln.deploy.planner import Plan, Request, plan
 from kiln.models.config import ModelConfig
 
 if TYPE_CHECKING:
-    from kiln.deploy.plan_quality import AccuracyCheck
+    from kiln.deploy.plan_quality import AccuracyCheck, MeasuredAccuracy
 
 
 @dataclass
@@ -31,14 +31,19 @@ class PlanResult:
 
 def plan_deployment(
     model: str, hardware: str, request: Request, out: str | None = None,
-    note: Callable[[str], None] = lambda _: None,
+    note: Callable[[str], None] = lambda _: None, measure_accuracy: bool = True,
 ) -> PlanResult:  # fmt: skip
     """Plan ``model`` (a checkpoint or a config file) on ``hardware`` (a spec string or
     file) for ``request``; with ``out``, write the plan document there. ``note`` hears
-    what is being measured (a CPU plan times this machine's engines the first time)."""
+    what is being measured (a CPU plan times this machine's engines the first time; with an
+    accuracy budget and ``measure_accuracy``, each format's perplexity on a checkpoint that
+    can be scored: ``format_accuracy``)."""
     arch = read_architecture(model)
     hw = parse_hardware(hardware)
-    result = plan(arch, hw, request, known=measurements(model, hw, note))
+    known = measurements(model, hw, note)
+    if measure_accuracy and request.max_ppl_increase is not None and arch.config is not None:
+        known = replace(known, accuracy=format_accuracy(model, request.formats, note))
+    result = plan(arch, hw, request, known=known)
     doc = check_plan(plan_to_dict(result, model))
     path = None
     if out:
@@ -81,6 +86,23 @@ def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
         "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_rss_bytes)),
     }
     return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}
+
+
+def format_accuracy(
+    model: str, formats: tuple[str, ...], note: Callable[[str], None]
+) -> MeasuredAccuracy | None:
+    """``formats``' perplexity increases measured on ``model`` (those kiln runs on this CPU;
+    ``plan_quality.measure_formats``), or None where ``model`` is not a checkpoint here."""
+    from kiln.deploy.kernel_rates import FORMATS as RUN_FORMATS
+    from kiln.deploy.plan_quality import measure_formats
+    from kiln.models.load import LoadError, resolve
+
+    try:
+        resolve(model)
+    except LoadError:  # a config file: nothing to load and score
+        return None
+    runnable = [f for f in formats if f in RUN_FORMATS]
+    return measure_formats(model, runnable, note=note) if runnable else None
 
 
 def verify_accuracy(

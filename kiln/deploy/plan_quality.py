@@ -1,41 +1,52 @@
-"""The executed plan's perplexity, measured: the accuracy half of ``kiln plan --verify``.
+"""What a weight format costs a real checkpoint in perplexity, measured: the planner's
+accuracy for models kiln can load, and the accuracy half of ``kiln plan --verify``.
 
-The planner picks a weight format on a stated prior (``planner.PRIORS``), with no text
-involved. ``--verify`` then measures what that choice costs this checkpoint: the model is
-loaded as ``kiln run`` loads the plan (each block stored in the plan's format as it is
-read, ``deploy.execute``) and as the float original, both score the first tokens of the
-confirmation text (*Sense and Sensibility*, ``quality.corpus``) window by window, and the
-increase is reported with a one-sided 95% margin from the spread of the paired window
-differences (``quality.spread``):
+A format's cost is measured by loading the model as ``kiln run`` loads a plan (each block
+stored in the format as it is read, ``deploy.execute``) and as the float original, and
+scoring both on the same tokens window by window; the increase is reported with a
+one-sided 95% margin from the spread of the paired window differences (``quality.spread``):
 
     increase = exp(mean_w d_w) - 1          d_w: plan's mean NLL - original's, window w
     upper    = exp(mean_w d_w + margin) - 1
 
-The plan is *confirmed* within its budget when ``upper <= budget``; an increase within
-budget whose margin crosses it is reported as not confirmed, as is a checkpoint with no
-tokenizer (a published config with random weights: its perplexity means nothing) or a
-machine without the text installed (``python -m kiln.quality.corpus fetch``).
+Two texts, kept apart (``quality.corpus``):
+
+* the *search* text (*Pride and Prejudice*): ``measure_formats`` scores every candidate
+  format there, and the planner (``planner.accuracy_of``) takes each one's upper bound as
+  its accuracy in place of the published-result prior (``planner.PRIORS``), which a small
+  model misses by far (SmolLM2-135M: INT4-g32 at +25% perplexity, prior +1%);
+* the *confirmation* text (*Sense and Sensibility*): ``check_accuracy`` scores the chosen
+  plan there (``--verify``), text its choice never saw.
+
+A plan is *confirmed* within its budget when ``upper <= budget``; an increase within budget
+whose margin crosses it is reported as not confirmed, as is a checkpoint with no tokenizer
+(a published config with random weights: its perplexity means nothing) or a machine
+without the texts installed (``python -m kiln.quality.corpus fetch``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 CONFIRM_TOKENS = 4096  # a SmolLM2-135M pass over them takes ~20-60 s on 2 cores
+SEARCH_TOKENS = 2048  # per format the planner measures (cached per checkpoint)
+VERSION = 1  # of the cached measurements
 CONTEXT, STRIDE = 512, 256  # the perplexity windows (``quality.perplexity``)
 
 
 @dataclass(frozen=True)
 class AccuracyCheck:
-    """The plan's measured perplexity increase beside its prior (relative: 0.01 = +1%)."""
+    """The plan's measured perplexity increase beside the one planned (relative: 0.01 = +1%)."""
 
     fmt: str
-    prior: float
+    planned: float  # the increase the planner counted on (measured on the search text, or a prior)
     budget: float | None
     increase: float | None  # None: not measured (``verdict`` says why)
     upper: float | None  # the one-sided 95% upper bound of ``increase``
@@ -61,9 +72,9 @@ def verdict(increase: float, upper: float, budget: float | None) -> str:
     if upper <= budget:
         return f"confirmed within the {budget:.2%} budget"
     if increase <= budget:
-        return (f"not confirmed: +{increase:.2%} is within the {budget:.2%} budget but its "
-                f"95% upper bound +{upper:.2%} is not (measure more text)")  # fmt: skip
-    return f"over budget: +{increase:.2%} against {budget:.2%}"
+        return (f"not confirmed: {increase:+.2%} is within the {budget:.2%} budget but its "
+                f"95% upper bound {upper:+.2%} is not (measure more text)")  # fmt: skip
+    return f"over budget: {increase:+.2%} against {budget:.2%}"
 
 
 def increase_of(
@@ -89,14 +100,12 @@ def _scorer(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 def check_accuracy(
-    model: str, fmt: str, prior: float, budget: float | None, tokens: int = CONFIRM_TOKENS,
+    model: str, fmt: str, planned: float, budget: float | None, tokens: int = CONFIRM_TOKENS,
     note: Callable[[str], None] = lambda _: None,
 ) -> AccuracyCheck:  # fmt: skip
     """Measure plan format ``fmt``'s perplexity increase on checkpoint ``model`` (see the
     module docstring); never raises for a checkpoint or machine that cannot be measured,
     it says so in the verdict."""
-    from kiln.deploy.execute import run_request
-    from kiln.deploy.generate_job import load_options, prepare
     from kiln.models.load import load_model
     from kiln.quality import corpus
     from kiln.quality.perplexity import window_losses
@@ -104,7 +113,7 @@ def check_accuracy(
     text = corpus.CONFIRMATION_NOVEL
 
     def unmeasured(why: str) -> AccuracyCheck:
-        return AccuracyCheck(fmt, prior, budget, None, None, text, 0, f"not confirmed: {why}")
+        return AccuracyCheck(fmt, planned, budget, None, None, text, 0, f"not confirmed: {why}")
 
     reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
     if reference.tokenizer is None:
@@ -116,13 +125,89 @@ def check_accuracy(
     note(f"scoring the original on {ids.numel()} tokens of {text}")
     base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
     del reference
+    note(f"scoring the plan ({fmt}) on the same tokens")
+    got = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
+    increase, upper = increase_of(got.mean_nll, base.mean_nll, base.counts)
+    return AccuracyCheck(fmt, planned, budget, increase, upper, text, ids.numel(),
+                         verdict(increase, upper, budget), base.total().ppl,
+                         got.total().ppl)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MeasuredAccuracy:
+    """Each format's perplexity increase on the search text, as its 95% upper bound."""
+
+    upper: Mapping[str, float]
+    source: str  # what and where: for every output that shows the figure
+
+
+def _loaded_scorer(model: str, fmt: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``model`` loaded in plan format ``fmt`` as ``kiln run`` loads it, as a scorer."""
+    from kiln.deploy.execute import run_request
+    from kiln.deploy.generate_job import load_options, prepare
+    from kiln.models.load import load_model
+
     request = run_request(model, fmt)
     dtype, in_format = load_options(request)
     planned = load_model(model, dtype, packed=False, with_tokenizer=False, on_block=in_format)
     prepare(planned, request)
-    note(f"scoring the plan ({fmt}) on the same tokens")
-    got = window_losses(_scorer(planned.model), ids, CONTEXT, STRIDE)
-    increase, upper = increase_of(got.mean_nll, base.mean_nll, base.counts)
-    return AccuracyCheck(fmt, prior, budget, increase, upper, text, ids.numel(),
-                         verdict(increase, upper, budget), base.total().ppl,
-                         got.total().ppl)  # fmt: skip
+    return _scorer(planned.model)
+
+
+def _cache_path(model: str, fmt: str, tokens: int) -> Any:
+    """Where one format's measurement of ``model`` is kept: keyed by the checkpoint's
+    resolved path, size and modification time, the format and the tokens scored."""
+    from kiln.core.cache import cache_dir
+    from kiln.models.load import resolve
+
+    where = resolve(model)
+    stat = where.stat()
+    key = f"{where.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{fmt}|{tokens}|{torch.__version__}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir("plan_accuracy") / f"v{VERSION}-{digest}.json"
+
+
+def measure_formats(
+    model: str, formats: Sequence[str], tokens: int = SEARCH_TOKENS,
+    note: Callable[[str], None] = lambda _: None,
+) -> MeasuredAccuracy | None:  # fmt: skip
+    """Each of ``formats``' perplexity increase on ``model`` over the first ``tokens``
+    tokens of the search text (95% upper bound; the float original itself is 0), cached per
+    checkpoint and format. None when it cannot be measured here (no tokenizer, texts not
+    installed): the planner then keeps its priors."""
+    from kiln.models.load import load_model, open_checkpoint
+    from kiln.quality import corpus
+    from kiln.quality.perplexity import window_losses
+
+    text = corpus.SEARCH_NOVEL
+    source = f"measured: 95% upper bound on {tokens} tokens of {text}"
+    cached: dict[str, float] = {}
+    for fmt in formats:
+        path = _cache_path(model, fmt, tokens)
+        if path.is_file():
+            cached[fmt] = float(json.loads(path.read_text(encoding="utf-8"))["upper"])
+    missing = [f for f in formats if f not in cached and f != "fp32"]
+    if not missing:
+        return MeasuredAccuracy({**cached, "fp32": 0.0}, source)
+    if open_checkpoint(model, packed=False).tokenizer_source is None:
+        note("accuracy per format stays a prior: the checkpoint has no tokenizer")
+        return None
+    if not corpus.corpus_available():
+        note("accuracy per format stays a prior: the texts are not installed "
+             "(python -m kiln.quality.corpus fetch)")  # fmt: skip
+        return None
+    reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
+    assert reference.tokenizer is not None  # the checkpoint has one (above)
+    ids = corpus.search_tokens(reference.tokenizer, tokens)  # (tokens,)
+    note(f"measuring perplexity per weight format on {tokens} tokens of {text} (cached)")
+    base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
+    del reference
+    for fmt in missing:
+        note(f"measuring {fmt} on {text}")
+        got = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
+        increase, upper = increase_of(got.mean_nll, base.mean_nll, base.counts)
+        cached[fmt] = upper
+        _cache_path(model, fmt, tokens).write_text(
+            json.dumps({"format": fmt, "increase": increase, "upper": upper, "tokens": tokens,
+                        "text": text}), encoding="utf-8")  # fmt: skip
+    return MeasuredAccuracy({**cached, "fp32": 0.0}, source)

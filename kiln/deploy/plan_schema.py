@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kiln.deploy.planner import PRIOR_NOTE, Plan
+from kiln.deploy.planner import Plan
 
 SCHEMA = "kiln.plan/1"
 
@@ -83,7 +83,7 @@ def plan_to_dict(plan: Plan, model: str) -> dict[str, Any]:
             "peak_device_bytes": est.peak_device_bytes,
             "peak_host_bytes": est.peak_host_bytes,
             "ppl_increase": best.ppl_increase,
-            "ppl_increase_source": f"prior: {PRIOR_NOTE}",
+            "ppl_increase_source": best.ppl_source,
         },
         "cost_per_1m_tokens_usd": best.cost_per_1m_tokens,
         "violations": [

@@ -8,9 +8,11 @@ power of two up to 8 that is at most the head count), and where weights that do 
 against every constraint; the objective ranks the feasible ones. The space is small (a few
 hundred points for 8 devices), so it is enumerated exactly rather than searched.
 
-Accuracy per format is, in this release, a stated *prior* (``PRIORS``), labelled as such in
-every output: kiln has not measured the model. (Measured per-layer plans come from ``kiln
-compress``.)
+Accuracy per format (``accuracy_of``): for a checkpoint kiln can load and score, each
+format's perplexity increase measured on the search text (``plan_quality.measure_formats``,
+its 95% upper bound); otherwise (a config-only model, no tokenizer) a stated *prior*
+(``PRIORS``). Every output labels which. (Measured per-layer plans come from ``kiln
+compress``, not yet joined to the search.)
 """
 
 from __future__ import annotations
@@ -45,6 +47,15 @@ PRIORS: dict[str, float] = {
     "int4-g128": 0.02,
 }
 PRIOR_NOTE = "assumed from published weight-only results, not measured by kiln"
+
+
+def accuracy_of(fmt: str, known: Measurements = NOTHING_MEASURED) -> tuple[float, str]:
+    """Format ``fmt``'s perplexity increase and where it comes from: measured on this
+    checkpoint when ``known`` has it, else the prior."""
+    measured = known.accuracy
+    if measured is not None and fmt in measured.upper:
+        return measured.upper[fmt], measured.source
+    return PRIORS.get(fmt, float("nan")), f"prior: {PRIOR_NOTE}"
 
 
 @dataclass(frozen=True)
@@ -103,6 +114,7 @@ class Candidate:
     hardware: Hardware
     ppl_increase: float
     violations: tuple[Violation, ...]
+    ppl_source: str = f"prior: {PRIOR_NOTE}"
 
     @property
     def feasible(self) -> bool:
@@ -174,7 +186,7 @@ def evaluate(
     """Estimate ``layout`` and list the constraints it misses."""
     used = hw.with_count(layout.devices)
     est = estimate(arch, used, layout, known)
-    ppl = PRIORS.get(layout.fmt.name, float("nan"))
+    ppl, source = accuracy_of(layout.fmt.name, known)
     misses = []
     if est.peak_device_bytes > est.device_memory_bytes:
         misses.append(
@@ -187,8 +199,9 @@ def evaluate(
     if request.max_ttft_ms is not None and est.ttft_ms > request.max_ttft_ms:
         misses.append(Violation("time to first token (ms)", est.ttft_ms, request.max_ttft_ms))
     if request.max_ppl_increase is not None and ppl > request.max_ppl_increase:
-        misses.append(Violation("perplexity increase (prior)", ppl, request.max_ppl_increase))
-    return Candidate(est, used, ppl, tuple(misses))
+        kind = "prior" if source.startswith("prior") else "measured"
+        misses.append(Violation(f"perplexity increase ({kind})", ppl, request.max_ppl_increase))
+    return Candidate(est, used, ppl, tuple(misses), source)
 
 
 def plan(
@@ -229,11 +242,13 @@ def relaxations(
     for n in (hw.count + 1, hw.count * 2, hw.count * 4, hw.count * 8):
         tries.append(("devices", f"{n} devices instead of {hw.count}", hw.with_count(n), request))
     if request.max_ppl_increase is not None:
-        for name in sorted(PRIORS, key=PRIORS.__getitem__):
-            if PRIORS[name] > request.max_ppl_increase and name in FORMATS:
+        costs = {name: accuracy_of(name, known) for name in FORMATS}
+        for name, (ppl, source) in sorted(costs.items(), key=lambda kv: kv[1][0]):
+            if ppl > request.max_ppl_increase:  # nan (no figure) is never a relaxation
+                kind = "prior" if source.startswith("prior") else "measured"
                 formats = tuple(dict.fromkeys((*request.formats, name)))
-                tries.append(("accuracy", f"accuracy budget {PRIORS[name]:.1%} ({name}, prior)", hw,
-                              replace(request, max_ppl_increase=PRIORS[name], formats=formats)))  # fmt: skip
+                tries.append(("accuracy", f"accuracy budget {ppl:.1%} ({name}, {kind})", hw,
+                              replace(request, max_ppl_increase=ppl, formats=formats)))  # fmt: skip
     if not request.allow_offload:
         tries.append(
             ("offload", "allow offloading weights", hw, replace(request, allow_offload=True))

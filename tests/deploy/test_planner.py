@@ -19,9 +19,11 @@ import pytest
 
 from kiln.deploy import architecture
 from kiln.deploy.architecture import read_architecture
+from kiln.deploy.estimate import Measurements
 from kiln.deploy.hardware import parse_hardware
+from kiln.deploy.plan_quality import MeasuredAccuracy
 from kiln.deploy.plan_schema import PlanError, check_plan, load_plan, plan_to_dict
-from kiln.deploy.planner import Request, evaluate, layouts, plan
+from kiln.deploy.planner import PRIOR_NOTE, PRIORS, Request, accuracy_of, evaluate, layouts, plan
 
 CONFIGS = architecture.CONFIGS
 GLM = read_architecture(str(CONFIGS / "glm-130b.json"))
@@ -169,3 +171,39 @@ def test_a_batch_search_finds_cheaper_tokens_within_the_latency_target() -> None
     assert Request(batch=3, max_batch=20).batches == [3, 4, 8, 16, 20]
     with pytest.raises(ValueError, match="below batch"):
         Request(batch=8, max_batch=4)
+
+
+def _measured(upper: dict[str, float]) -> Measurements:
+    return Measurements(accuracy=MeasuredAccuracy(upper, "measured: 95% upper bound on test"))
+
+
+def test_measured_accuracy_replaces_the_prior_where_it_exists() -> None:
+    known = _measured({"int8": 0.004, "int4-g128": 0.25})
+    assert accuracy_of("int8", known) == (0.004, "measured: 95% upper bound on test")
+    assert accuracy_of("int4-g64", known) == (PRIORS["int4-g64"], f"prior: {PRIOR_NOTE}")
+    assert accuracy_of("int4-g128")[0] == PRIORS["int4-g128"]  # nothing measured
+
+
+def test_a_format_measured_over_budget_is_not_chosen() -> None:
+    """On priors INT4 (2%) meets a 5% budget and is the cheapest; measured at +25% (a small
+    model, SmolLM2's figure) the plan falls back to INT8, labelled measured."""
+    qwen, hw = read_architecture("qwen2-0.5b"), parse_hardware("L4")
+    req = Request(max_ppl_increase=0.05, formats=("fp16", "int8", "int4-g128"),
+                  allow_offload=False)  # fmt: skip
+    assert plan(qwen, hw, req).best.estimate.layout.fmt.name == "int4-g128"
+    got = plan(qwen, hw, req, known=_measured({"int8": 0.004, "int4-g128": 0.25}))
+    assert got.feasible and got.best.estimate.layout.fmt.name == "int8"
+    doc = plan_to_dict(got, "qwen2-0.5b")
+    assert doc["predicted"]["ppl_increase"] == 0.004
+    assert doc["predicted"]["ppl_increase_source"].startswith("measured")
+    int4 = next(c for c in got.candidates if c.estimate.layout.fmt.name == "int4-g128")
+    assert [v.constraint for v in int4.violations] == ["perplexity increase (measured)"]
+
+
+def test_a_measured_accuracy_miss_is_relaxed_by_its_measured_figure() -> None:
+    qwen, hw = read_architecture("qwen2-0.5b"), parse_hardware("L4")
+    req = Request(max_ppl_increase=0.001, formats=("int8",), allow_offload=False)
+    got = plan(qwen, hw, req, known=_measured({"int8": 0.004}))
+    assert not got.feasible
+    changes = [change for change, _ in got.relaxations]
+    assert "accuracy budget 0.4% (int8, measured)" in changes
