@@ -248,10 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         print(markdown(result))
         return 0
     result = run(plans, args.prompt_len, args.gen_len, args.rounds)
-    name = f"plan-accuracy-{system.device_slug(result['cpu'])}-{time.strftime('%Y%m%d')}.json"
-    system.write_result(result, args.out, name, markdown(result))
-    print(markdown(result))
-    print(f"wrote {result['path']}")
+    system.publish(result, args.out, f"plan-accuracy-{system.device_slug(result['cpu'])}",
+                   markdown(result))  # fmt: skip
     return 0
 
 

@@ -91,10 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     budgets = [parse.fraction(b) for b in args.budgets.split(",") if b.strip()]
     result = run(args.model, budgets, args.tokens, args.priors)
     kind = "priors" if args.priors else "measured"
-    name = f"plan-budgets-{kind}-{system.device_slug(result['cpu'])}-{time.strftime('%Y%m%d')}.json"
-    system.write_result(result, args.out, name, markdown(result))
-    print(markdown(result))
-    print(f"wrote {result['path']}")
+    system.publish(result, args.out, f"plan-budgets-{kind}-{system.device_slug(result['cpu'])}",
+                   markdown(result))  # fmt: skip
     return 0
 
 

@@ -130,6 +130,14 @@ def portable_path(path: str | Path) -> str:
         return p.name
 
 
+def publish(result: dict[str, Any], out_dir: str | Path, stem: str, markdown: str) -> None:
+    """Write ``result`` as ``out_dir/<stem>-<yyyymmdd>.json`` with its markdown beside it
+    (``write_result``: never over an earlier one), print the markdown and where it went."""
+    write_result(result, out_dir, f"{stem}-{time.strftime('%Y%m%d')}.json", markdown)
+    print(markdown)
+    print(f"wrote {result['path']}")
+
+
 def write_result(
     result: dict[str, Any], out_dir: str | Path, name: str, markdown: str | None = None
 ) -> dict[str, Any]:
