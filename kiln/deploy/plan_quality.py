@@ -89,6 +89,23 @@ def increase_of(
     return math.expm1(d.mean), math.expm1(d.mean + d.margin)
 
 
+def too_large_to_score(model: str, meminfo: str = "/proc/meminfo") -> str | None:
+    """Why ``model`` cannot be scored on this machine (None when it can): scoring holds the
+    model in fp32 (the original) or in a plan format, one at a time, plus a batch of
+    windows' logits (4 x 512 positions x the vocabulary, fp32), and must stay within half
+    of the memory available now."""
+    from kiln.deploy.architecture import read_architecture
+    from kiln.deploy.hardware import meminfo_bytes
+
+    arch = read_architecture(model)
+    need = 4 * arch.total_params + 4 * 4 * CONTEXT * arch.vocab_size * 2  # logits and softmax
+    have = meminfo_bytes("MemAvailable", meminfo)
+    if need <= have / 2:
+        return None
+    return (f"scoring it needs about {need / 2**30:.1f} GiB, more than half of the "
+            f"{have / 2**30:.1f} GiB available here")  # fmt: skip
+
+
 def _scorer(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """kiln's ``Transformer`` as ``quality.perplexity`` calls a model: ids (B, T) ->
     logits (B, T, V), a fresh cache per batch of windows."""
@@ -115,6 +132,9 @@ def check_accuracy(
     def unmeasured(why: str) -> AccuracyCheck:
         return AccuracyCheck(fmt, planned, budget, None, None, text, 0, f"not confirmed: {why}")
 
+    large = too_large_to_score(model)
+    if large is not None:
+        return unmeasured(large)
     reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
     if reference.tokenizer is None:
         return unmeasured("the checkpoint has no tokenizer (random weights: no perplexity)")
@@ -191,6 +211,10 @@ def measure_formats(
         return MeasuredAccuracy({**cached, "fp32": 0.0}, source)
     if open_checkpoint(model, packed=False).tokenizer_source is None:
         note("accuracy per format stays a prior: the checkpoint has no tokenizer")
+        return None
+    large = too_large_to_score(model)
+    if large is not None:
+        note(f"accuracy per format stays a prior: {large}")
         return None
     if not corpus.corpus_available():
         note("accuracy per format stays a prior: the texts are not installed "

@@ -14,6 +14,7 @@ from kiln.deploy.plan_quality import (
     check_accuracy,
     increase_of,
     measure_formats,
+    too_large_to_score,
     verdict,
 )
 from kiln.models.catalog import smollm2_available
@@ -97,3 +98,16 @@ def test_a_checkpoint_without_a_tokenizer_keeps_the_priors(tmp_path: Path) -> No
     notes: list[str] = []
     assert measure_formats(str(folder), ["int8"], note=notes.append) is None
     assert any("no tokenizer" in n for n in notes)
+
+
+def test_a_model_too_large_for_this_machine_is_not_scored(tmp_path: Path) -> None:
+    """Scoring needs the fp32 model and a batch of logits within half the available memory:
+    the tiny checkpoint's (95k parameters, 4 x 512 positions x 256 logits: about 4.6 MB)
+    fit 1 GiB available, not 4 MiB."""
+    folder = write_checkpoint("llama", tmp_path / "tiny")
+    roomy, tight = tmp_path / "roomy", tmp_path / "tight"
+    roomy.write_text("MemTotal: 2097152 kB\nMemAvailable: 1048576 kB\n")
+    tight.write_text("MemTotal: 2097152 kB\nMemAvailable: 4096 kB\n")
+    assert too_large_to_score(str(folder), str(roomy)) is None
+    why = too_large_to_score(str(folder), str(tight))
+    assert why is not None and "available here" in why
