@@ -21,7 +21,7 @@ from typing import Any
 
 from kiln.bench import RESULTS_DIR, system
 from kiln.deploy import parse
-from kiln.deploy.plan_job import plan_deployment, verify_accuracy
+from kiln.deploy.plan_job import format_accuracy, plan_deployment, verify_accuracy
 from kiln.deploy.planner import Request
 
 FORMATS = ("bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
@@ -41,7 +41,10 @@ def run(model: str, budgets: list[float], tokens: int, priors: bool) -> dict[str
         rows.append({"budget": budget, "feasible": True, "planned_source": source,
                      **got.as_dict()})  # fmt: skip
         print(f"budget {budget:.2%}: {got.fmt}: {got.verdict}", flush=True)
+    searched = None if priors else format_accuracy(model, FORMATS, print)  # cached by now
     return {"kind": "plan-budgets", "date": time.strftime("%Y-%m-%d"), "model": model,
+            "searched": None if searched is None else {"source": searched.source,
+                                                       "upper": dict(searched.upper)},
             "cpu": system.cpu_info(), "versions": system.versions(), "tokens": tokens,
             "formats": list(FORMATS), "accuracy": "priors" if priors else "measured",
             "rows": rows}  # fmt: skip
@@ -63,6 +66,13 @@ def markdown(result: dict[str, Any]) -> str:
         "| budget | format | planned | measured | upper bound | ppl original / plan | verdict |",
         "| ---: | --- | ---: | ---: | ---: | --- | --- |",
     ]
+    searched = result.get("searched")
+    if searched:
+        per = ", ".join(f"{f} {u:+.2%}" for f, u in searched["upper"].items())
+        lines[1:1] = [
+            "",
+            f"Each format's increase on the search text ({searched['source']}): {per}.",
+        ]
     for r in result["rows"]:
         if not r["feasible"]:
             lines.append(f"| {r['budget']:.1%} | no feasible plan | | | | | |")

@@ -14,7 +14,7 @@ Two texts, kept apart (``quality.corpus``):
 * the *search* text (*Pride and Prejudice*): ``measure_formats`` scores every candidate
   format there, and the planner (``planner.accuracy_of``) takes each one's upper bound as
   its accuracy in place of the published-result prior (``planner.PRIORS``), which a small
-  model misses by far (SmolLM2-135M: INT4-g32 at +25% perplexity, prior +1%);
+  model misses by far (SmolLM2-135M: INT4-g32 at +23.6% perplexity, prior +1%);
 * the *confirmation* text (*Sense and Sensibility*): ``check_accuracy`` scores the chosen
   plan there (``--verify``), text its choice never saw.
 
