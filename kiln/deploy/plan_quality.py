@@ -31,9 +31,12 @@ import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from kiln.quality.perplexity import WindowLosses
 
 CONFIRM_TOKENS = 4096  # a SmolLM2-135M pass over them takes ~20-60 s on 2 cores
 SEARCH_TOKENS = 2048  # per format the planner measures (cached per checkpoint)
@@ -116,6 +119,44 @@ def _scorer(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return logits
 
 
+def _unscorable(model: str) -> str | None:
+    """Why ``model`` cannot be scored here (None when it can): no tokenizer, too large for
+    this machine's memory, or the texts not installed. Reads no weight."""
+    from kiln.models.load import open_checkpoint
+    from kiln.quality import corpus
+
+    if open_checkpoint(model, packed=False).tokenizer_source is None:
+        return "the checkpoint has no tokenizer (random weights: no perplexity)"
+    large = too_large_to_score(model)
+    if large is not None:
+        return large
+    if not corpus.corpus_available():
+        return "the texts are not installed (python -m kiln.quality.corpus fetch)"
+    return None
+
+
+def _score(
+    model: str, formats: Sequence[str], text: str, tokens: int, note: Callable[[str], None]
+) -> tuple[WindowLosses, dict[str, WindowLosses]]:
+    """The float original's window losses on the first ``tokens`` tokens of novel ``text``,
+    and each of ``formats``' on the same windows (one model in memory at a time)."""
+    from kiln.models.load import load_model
+    from kiln.quality import corpus
+    from kiln.quality.perplexity import window_losses
+
+    reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
+    assert reference.tokenizer is not None  # checked by ``_unscorable``
+    ids = corpus.first_tokens(text, reference.tokenizer, tokens)  # (tokens,): exactly, or raises
+    note(f"scoring the original on {ids.numel()} tokens of {text}")
+    base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
+    del reference
+    out = {}
+    for fmt in formats:
+        note(f"scoring {fmt} on the same tokens")
+        out[fmt] = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
+    return base, out
+
+
 def check_accuracy(
     model: str, fmt: str, planned: float, budget: float | None, tokens: int = CONFIRM_TOKENS,
     note: Callable[[str], None] = lambda _: None,
@@ -123,34 +164,17 @@ def check_accuracy(
     """Measure plan format ``fmt``'s perplexity increase on checkpoint ``model`` (see the
     module docstring); never raises for a checkpoint or machine that cannot be measured,
     it says so in the verdict."""
-    from kiln.models.load import load_model
     from kiln.quality import corpus
-    from kiln.quality.perplexity import window_losses
 
     text = corpus.CONFIRMATION_NOVEL
-
-    def unmeasured(why: str) -> AccuracyCheck:
+    why = _unscorable(model)
+    if why is not None:
         return AccuracyCheck(fmt, planned, budget, None, None, text, 0, f"not confirmed: {why}")
-
-    large = too_large_to_score(model)
-    if large is not None:
-        return unmeasured(large)
-    reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
-    if reference.tokenizer is None:
-        return unmeasured("the checkpoint has no tokenizer (random weights: no perplexity)")
-    if not corpus.corpus_available():
-        return unmeasured("the confirmation text is not installed "
-                          "(python -m kiln.quality.corpus fetch)")  # fmt: skip
-    ids = corpus.confirmation_tokens(reference.tokenizer, tokens)  # (tokens,)
-    note(f"scoring the original on {ids.numel()} tokens of {text}")
-    base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
-    del reference
-    note(f"scoring the plan ({fmt}) on the same tokens")
-    got = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
-    increase, upper = increase_of(got.mean_nll, base.mean_nll, base.counts)
-    return AccuracyCheck(fmt, planned, budget, increase, upper, text, ids.numel(),
+    base, got = _score(model, [fmt], text, tokens, note)
+    increase, upper = increase_of(got[fmt].mean_nll, base.mean_nll, base.counts)
+    return AccuracyCheck(fmt, planned, budget, increase, upper, text, tokens,
                          verdict(increase, upper, budget), base.total().ppl,
-                         got.total().ppl)  # fmt: skip
+                         got[fmt].total().ppl)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -195,9 +219,7 @@ def measure_formats(
     tokens of the search text (95% upper bound; the float original itself is 0), cached per
     checkpoint and format. None when it cannot be measured here (no tokenizer, texts not
     installed): the planner then keeps its priors."""
-    from kiln.models.load import load_model, open_checkpoint
     from kiln.quality import corpus
-    from kiln.quality.perplexity import window_losses
 
     text = corpus.SEARCH_NOVEL
     source = f"measured: 95% upper bound on {tokens} tokens of {text}"
@@ -209,27 +231,14 @@ def measure_formats(
     missing = [f for f in formats if f not in cached and f != "fp32"]
     if not missing:
         return MeasuredAccuracy({**cached, "fp32": 0.0}, source)
-    if open_checkpoint(model, packed=False).tokenizer_source is None:
-        note("accuracy per format stays a prior: the checkpoint has no tokenizer")
+    why = _unscorable(model)
+    if why is not None:
+        note(f"accuracy per format stays a prior: {why}")
         return None
-    large = too_large_to_score(model)
-    if large is not None:
-        note(f"accuracy per format stays a prior: {large}")
-        return None
-    if not corpus.corpus_available():
-        note("accuracy per format stays a prior: the texts are not installed "
-             "(python -m kiln.quality.corpus fetch)")  # fmt: skip
-        return None
-    reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
-    assert reference.tokenizer is not None  # the checkpoint has one (above)
-    ids = corpus.search_tokens(reference.tokenizer, tokens)  # (tokens,)
     note(f"measuring perplexity per weight format on {tokens} tokens of {text} (cached)")
-    base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
-    del reference
-    for fmt in missing:
-        note(f"measuring {fmt} on {text}")
-        got = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
-        increase, upper = increase_of(got.mean_nll, base.mean_nll, base.counts)
+    base, got = _score(model, missing, text, tokens, note)
+    for fmt, losses in got.items():
+        increase, upper = increase_of(losses.mean_nll, base.mean_nll, base.counts)
         cached[fmt] = upper
         _cache_path(model, fmt, tokens).write_text(
             json.dumps({"format": fmt, "increase": increase, "upper": upper, "tokens": tokens,

@@ -47,6 +47,7 @@ PRIORS: dict[str, float] = {
     "int4-g128": 0.02,
 }
 PRIOR_NOTE = "assumed from published weight-only results, not measured by kiln"
+PRIOR_SOURCE = f"prior: {PRIOR_NOTE}"
 
 
 def accuracy_of(fmt: str, known: Measurements = NOTHING_MEASURED) -> tuple[float, str]:
@@ -55,7 +56,12 @@ def accuracy_of(fmt: str, known: Measurements = NOTHING_MEASURED) -> tuple[float
     measured = known.accuracy
     if measured is not None and fmt in measured.upper:
         return measured.upper[fmt], measured.source
-    return PRIORS.get(fmt, float("nan")), f"prior: {PRIOR_NOTE}"
+    return PRIORS.get(fmt, float("nan")), PRIOR_SOURCE
+
+
+def accuracy_kind(source: str) -> str:
+    """``prior`` or ``measured``: how an ``accuracy_of`` figure was obtained."""
+    return "prior" if source == PRIOR_SOURCE else "measured"
 
 
 @dataclass(frozen=True)
@@ -114,7 +120,7 @@ class Candidate:
     hardware: Hardware
     ppl_increase: float
     violations: tuple[Violation, ...]
-    ppl_source: str = f"prior: {PRIOR_NOTE}"
+    ppl_source: str = PRIOR_SOURCE
 
     @property
     def feasible(self) -> bool:
@@ -199,8 +205,8 @@ def evaluate(
     if request.max_ttft_ms is not None and est.ttft_ms > request.max_ttft_ms:
         misses.append(Violation("time to first token (ms)", est.ttft_ms, request.max_ttft_ms))
     if request.max_ppl_increase is not None and ppl > request.max_ppl_increase:
-        kind = "prior" if source.startswith("prior") else "measured"
-        misses.append(Violation(f"perplexity increase ({kind})", ppl, request.max_ppl_increase))
+        misses.append(Violation(f"perplexity increase ({accuracy_kind(source)})", ppl,
+                                request.max_ppl_increase))  # fmt: skip
     return Candidate(est, used, ppl, tuple(misses), source)
 
 
@@ -245,9 +251,9 @@ def relaxations(
         costs = {name: accuracy_of(name, known) for name in FORMATS}
         for name, (ppl, source) in sorted(costs.items(), key=lambda kv: kv[1][0]):
             if ppl > request.max_ppl_increase:  # nan (no figure) is never a relaxation
-                kind = "prior" if source.startswith("prior") else "measured"
                 formats = tuple(dict.fromkeys((*request.formats, name)))
-                tries.append(("accuracy", f"accuracy budget {ppl:.1%} ({name}, {kind})", hw,
+                change = f"accuracy budget {ppl:.1%} ({name}, {accuracy_kind(source)})"
+                tries.append(("accuracy", change, hw,
                               replace(request, max_ppl_increase=ppl, formats=formats)))  # fmt: skip
     if not request.allow_offload:
         tries.append(
