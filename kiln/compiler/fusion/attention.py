@@ -103,7 +103,7 @@ def attention_candidates(
 ) -> list[Candidate]:
     """One ``attention`` candidate per matched pattern whose intermediates nothing else
     reads (GPU targets only)."""
-    if target is None or not target.chains:
+    if target is None or not target.attention:
         return []
     ix = index or GraphIndex(graph)
     rules = TemplateRules(ix, target)

@@ -44,23 +44,34 @@ BOOL_OPS = frozenset(
     {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
 )
 CHAIN_MAX_WIDTH = 256  # widest GEMM-chain intermediate a GPU kernel keeps on chip
+CPU_CHAIN_MAX_WIDTH = 1024  # ... a CPU thread keeps in its scratch rows (L2-resident)
 
 
 @dataclass(frozen=True)
 class FusionTarget:
-    """What a backend's templates can hold: the dtypes its kernels load and store, and
+    """What a backend's templates can hold: the dtypes its kernels load and store;
     whether it fuses chains of GEMMs (``chain``: GEMM -> epilogue -> GEMM ..., the
-    intermediates kept on chip)."""
+    intermediates never stored) up to ``chain_width`` columns wide, and whether its
+    chains run row block by row block (``chain_rows``, the CPU: each right operand a
+    constant packed at compile time, each stage reading only its own values and the
+    previous stage's result); whether it has an ``attention`` template."""
 
     name: str
     dtypes: tuple[torch.dtype, ...]
     chains: bool = False
+    chain_width: int = CHAIN_MAX_WIDTH
+    chain_rows: bool = False
+    attention: bool = False
 
 
-CPU_TARGET = FusionTarget("cpu", (torch.float32, torch.bool))
+CPU_TARGET = FusionTarget(
+    "cpu", (torch.float32, torch.bool), chains=True, chain_width=CPU_CHAIN_MAX_WIDTH,
+    chain_rows=True,
+)  # fmt: skip
 GPU_TARGET = FusionTarget(
-    "gpu", (torch.float32, torch.float16, torch.bfloat16, torch.bool), chains=True
-)
+    "gpu", (torch.float32, torch.float16, torch.bfloat16, torch.bool), chains=True,
+    attention=True,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -240,8 +251,10 @@ class TemplateRules:
 
     def _chain_ok(self, mask: int) -> bool:
         """GEMM chain: mm nodes only (no bmm/conv/reduction), each later mm's left operand
-        computed by the previous stage and its right operand read from outside; every
-        other node a pointwise epilogue of its stage's output shape; widths on chip."""
+        computed by the previous stage and its right operand read from outside (a
+        constant, for ``chain_rows`` targets); every other node a pointwise epilogue of
+        its stage's output shape (reading no earlier stage's values, for ``chain_rows``);
+        widths within the target's ``chain_width``."""
         if not self.ix.is_convex(mask) or not self._connected(mask):
             return False
         ix = self.ix
@@ -254,17 +267,21 @@ class TemplateRules:
             if kind == "mm":
                 a, b = node.inputs
                 s = len(shapes)
-                if node.op != "mm" or shape[1] > CHAIN_MAX_WIDTH:
+                if node.op != "mm" or shape[1] > self.target.chain_width:
                     return False
                 if shapes and shape[0] != shapes[0][0]:
                     return False
                 if stage.get(a, -1) != s - 1 or b in stage:
+                    return False
+                if self.target.chain_rows and not ix.is_constant(ix.root[b]):
                     return False
                 stage[node.output] = s
                 shapes.append(shape)
             elif kind == "pw":
                 own = [stage[v] for v in node.inputs if v in stage]
                 if not own or shape != shapes[max(own)]:
+                    return False
+                if self.target.chain_rows and min(own) != max(own):
                     return False
                 stage[node.output] = max(own)
             else:

@@ -23,7 +23,9 @@ memory time the larger does not hide, fitted between 0 and 1):
   - GEMM: every register block of R rows and one panel (NR columns) costs
     ``2 R NR (K + gemm_step_extra)`` FLOPs at the per-thread rate for R, interpolated
     between ``gemm_gflops`` at R = 1, 2, 4 and MR (rows are split into blocks of at
-    most MR, near-equal heights, as ``kiln_gemm.h`` does);
+    most MR, near-equal heights, as ``kiln_gemm.h`` does); a GEMM chain runs its rows in
+    blocks (``chains.chain_row_blocks``), each block through every stage's panels, and
+    every thread reads every weight (at the one-thread bandwidth of where they live);
   - pointwise work (epilogues, pointwise and row kernels; an exp counts 10 FLOPs) at
     ``pointwise_gflops`` per thread; a row kernel's reductions are not counted there but
     as ``row_ns`` per row and pass (softmax and layer norm make 3 passes over a row, a
@@ -49,6 +51,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kiln.compiler.fusion.candidates import Candidate
+from kiln.compiler.fusion.chains import chain_row_blocks
 from kiln.compiler.ir.graph import Graph, Node, OpClass, ValueKind, conv_padding
 from kiln.compiler.ir.layout import Access, access, is_view
 from kiln.core.hardware import HardwareProfile, KernelRates
@@ -61,7 +64,9 @@ GEMM_FLOPS_PER_BYTE = 6
 BMM_GRAIN_FLOPS = 1 << 16
 DWCONV_MIN_TASK_FMAS = 1 << 12
 LANES = {"avx512": 16, "avx2": 8}
-NATIVE_TEMPLATES = frozenset({"pointwise", "reduction", "gemm", "dwconv", "single", "copy"})
+NATIVE_TEMPLATES = frozenset(
+    {"pointwise", "reduction", "gemm", "chain", "dwconv", "single", "copy"}
+)
 # The pool2d kernels, measured on Zen 5 with 2 threads (3x3/2, 3x3/1 and 2x2/2 pools over
 # 16-64 channels of 56x56 and 64x64 images): channels-last ones run their taps at about the
 # pointwise rate; NCHW ones 1.5x slower per tap (vector loads from the phase-split plane
@@ -120,6 +125,7 @@ class NativeWork:
     dw_tasks: int = 0  # depthwise conv: planes, vector FMAs and padded inputs per plane
     dw_plane_fmas: int = 0
     dw_plane_copy: int = 0
+    chain: tuple[GemmWork, ...] = ()  # a GEMM chain's stages, in order
 
 
 def traffic(
@@ -228,6 +234,12 @@ def native_work(
         plane = math.prod(out[2:-1]) * -(-out[-1] // lanes) * math.prod(w[2:])
         before, after = conv_padding(heavy.attrs)
         copy = math.prod(s + p + q for s, p, q in zip(x[2:], before, after))
+    elif heavy is not None and candidate.template == "chain":
+        stages = tuple(_gemm_work(n, graph, root) for n in nodes if n.cls == OpClass.GEMM)
+        return NativeWork(
+            "chain", values, param_total, elems, pointwise_flops, rows, gathered,
+            chain=tuple(g for g in stages if g is not None),
+        )  # fmt: skip
     elif heavy is not None:
         gemm = _gemm_work(heavy, graph, root)
     return NativeWork(
@@ -295,11 +307,26 @@ def gemm_us(g: GemmWork, threads: int, rates: KernelRates, isa: str) -> tuple[fl
     return count * panels * _panel_us(g.m, g.k, rates, isa), count * pack_one, used
 
 
+def chain_us(
+    stages: Sequence[GemmWork], threads: int, rates: KernelRates, isa: str
+) -> tuple[float, int]:
+    """(compute µs, threads used) of a GEMM chain as ``codegen/cpu/chain.py`` runs it: the
+    busiest thread's row blocks, each through every stage's panels."""
+    m, mr, nr = stages[0].m, register_rows(isa), 2 * LANES.get(isa, 8)
+    units = chain_row_blocks(m, threads, mr)
+    used = min(threads, units)
+    rows = -(-m // units)
+    per_block = sum(-(-g.n // nr) * _panel_us(rows, g.k, rates, isa) for g in stages)
+    return -(-units // used) * per_block, used
+
+
 def native_time(work: NativeWork, profile: HardwareProfile, rates: KernelRates) -> float:
     """Predicted µs of a native kernel (the module docstring's formula)."""
     t, isa = profile.threads, profile.isa
     heavy_us, pack_us, used = 0.0, 0.0, 1
-    if work.gemm is not None:
+    if work.chain:
+        heavy_us, used = chain_us(work.chain, t, rates, isa)
+    elif work.gemm is not None:
         heavy_us, pack_us, used = gemm_us(work.gemm, t, rates, isa)
     elif work.dw_tasks:
         grain = -(-DWCONV_MIN_TASK_FMAS // max(work.dw_plane_fmas, 1))
@@ -315,12 +342,15 @@ def native_time(work: NativeWork, profile: HardwareProfile, rates: KernelRates) 
     memory_us = 0.0
     for b, is_param, _ in work.values:
         at = param_level if is_param else act_level
+        if is_param and work.chain:  # every thread reads every weight, from its own L2
+            memory_us += b / (rates.serial_read_gbs[level(work.param_total, 1, profile)] * 1e3)
+            continue
         memory_us += b / (bw[at] * 1e3)
     light_us = work.pointwise_flops / (rates.pointwise_gflops * 1e3)
     light_us += work.row_passes * rates.row_ns * 1e-3
     compute_us = heavy_us + light_us / used
     fixed = rates.parallel_us if used > 1 else rates.serial_us
-    if work.gemm is not None:
+    if work.gemm is not None or work.chain:
         fixed += rates.gemm_us
     gather_us = work.gathered_bytes / (rates.gather_gbs * 1e3) / used
     overlap = max(compute_us, memory_us) + rates.unhidden * min(compute_us, memory_us)

@@ -9,6 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kiln.compiler.fusion.candidates import enumerate_candidates
+from kiln.compiler.fusion.chains import chain_candidates
 from kiln.compiler.fusion.cost import CostModel
 from kiln.compiler.fusion.greedy import greedy_fusion
 from kiln.compiler.fusion.orchestrate import orchestrate
@@ -55,7 +56,7 @@ def test_greedy_with_a_cost_function_on_a_vit() -> None:
     g = vit_like(layers=2)
     model = CostModel(PROFILE)
     greedy = greedy_fusion(g, lambda c: model.estimate(c, g), max_nodes=16)
-    cands = enumerate_candidates(g, max_nodes=16)
+    cands = enumerate_candidates(g, max_nodes=16) + chain_candidates(g)  # as compile does
     blp = orchestrate(g, cands, model.costs(cands, g))
     assert_program_ok(g, greedy.kernels)
     assert blp.objective <= greedy.objective + 1e-6

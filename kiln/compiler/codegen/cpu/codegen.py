@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.compiler.codegen.cpu.chain import chain_kernel
 from kiln.compiler.codegen.cpu.colreduce import column_reduction
 from kiln.compiler.codegen.cpu.conv_nhwc import conv_nhwc_kernel
 from kiln.compiler.codegen.cpu.dwconv import dwconv_kernel
@@ -146,6 +147,8 @@ class _Gen:
             return conv_nhwc_kernel(self, k, nodes)
         if k.template == "gemm" and nodes[0].op == "conv":
             return pointconv_kernel(self, k, nodes)
+        if k.template == "chain":
+            return chain_kernel(self, k, nodes)
         classes = {n.cls for n in nodes}
         if classes == {OpClass.POINTWISE}:
             return self.pointwise(k, nodes)
@@ -281,24 +284,8 @@ class _Gen:
             return op if batched else Operand(op.ptr, op.dtype, op.offset, (0, *op.strides))
 
         a = b3(self.operand(a_val, self.g.meta(a_val).shape))
-        b_op, b_packed = None, None
-        b_access = self.prog.access(b_val)
-        if self.g.is_constant(b_access.root):
-            # A constant (or a view of one, e.g. a tied weight's transpose): pack the
-            # viewed data once at compile time.
-            acc = b_access
-
-            def pack() -> torch.Tensor:
-                root = self.g.constants[acc.root]
-                w = root.as_strided(acc.shape, acc.strides, acc.offset).float()
-                ws = w if batched else w.unsqueeze(0)
-                return torch.cat(
-                    [pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])]
-                )
-
-            key = ("gemm_b", acc.root, acc.shape, acc.strides, acc.offset, batched)
-            b_packed = self.prepared_param(key, pack)
-        else:
+        b_op, b_packed = None, self.packed_b(b_val, batched)
+        if b_packed is None:
             b_op = b3(self.operand(b_val, self.g.meta(b_val).shape))
         epi = [x for x in nodes if x is not mm]
         for e in epi:
@@ -324,6 +311,23 @@ class _Gen:
             self.dtypes(),
         )
         return emit_gemm(spec, self.nr, self.threads)
+
+    def packed_b(self, b_val: str, batched: bool) -> str | None:
+        """Pointer to a GEMM's right operand packed into column panels at compile time
+        (batch panels back to back), or None when it is not a constant. A view of a
+        constant (a tied weight's transpose) packs the viewed data."""
+        acc = self.prog.access(b_val)
+        if not self.g.is_constant(acc.root):
+            return None
+
+        def pack() -> torch.Tensor:
+            root = self.g.constants[acc.root]
+            w = root.as_strided(acc.shape, acc.strides, acc.offset).float()
+            ws = w if batched else w.unsqueeze(0)
+            return torch.cat([pack_b(ws[i].contiguous()).reshape(-1) for i in range(ws.shape[0])])
+
+        key = ("gemm_b", acc.root, acc.shape, acc.strides, acc.offset, batched)
+        return self.prepared_param(key, pack)
 
     def cat(self, node: Node) -> list[str]:
         out_shape = self.g.meta(node.output).shape

@@ -34,6 +34,7 @@ class GemmSpec:
     outs: dict[str, Operand]  # written values, strides (batch, m, n)
     dtypes: dict[str, torch.dtype]
     row_bias: str | None = None  # C++ pointer of m floats added to the rows (a conv's bias)
+    copies: tuple[tuple[str, Operand], ...] = ()  # further stores of values (scratch rows)
 
 
 def packed_floats(k: int, n: int, nr: int) -> int:
@@ -47,25 +48,6 @@ def emit_gemm(spec: GemmSpec, nr: int, threads: int) -> list[str]:
     L = ["{"]
     a_contig_k = s.a.strides[2] == 1 or s.k == 1
     lda = s.a.strides[1] if a_contig_k else s.k
-
-    def epi_lambda(batch_expr: str) -> list[str]:
-        out = ["auto epi = [&](int64_t i, int64_t c0, kv::V a0, kv::V a1) {"]
-        for h in (0, 1):
-            out.append("  {")
-            out.append(f"    const int64_t c = c0 + {h} * kv::W;")
-            out.append(f"    if (c < {s.n}) {{")
-            bias = f" + kv::splat({s.row_bias}[i])" if s.row_bias else ""
-            out.append(f"      const kv::V acc = a{h}{bias};")
-            out.append(f"      if (c + kv::W <= {s.n}) {{")
-            out += ["        " + x for x in _epilogue(s, batch_expr, None)]
-            out.append("      } else {")
-            out.append(f"        const int n = (int)({s.n} - c);")
-            out += ["        " + x for x in _epilogue(s, batch_expr, "n")]
-            out.append("      }")
-            out.append("    }")
-            out.append("  }")
-        out.append("};")
-        return out
 
     def a_ptr(batch_expr: str) -> list[str]:
         base = f"{s.a.ptr} + {s.a.offset} + ({batch_expr}) * {s.a.strides[0]}"
@@ -89,14 +71,14 @@ def emit_gemm(spec: GemmSpec, nr: int, threads: int) -> list[str]:
         ]
 
     if s.batch == 1:
-        L += ["  " + x for x in a_ptr("0") + b_ptr("0") + epi_lambda("0")]
+        L += ["  " + x for x in a_ptr("0") + b_ptr("0") + epilogue_lambda(s, "0")]
         L.append(f"  kg::gemm(rt, A, {lda}, {s.m}, Bp, {s.k}, {s.n}, epi);")
     else:
         panels = -(-s.n // nr)
         grain = max(1, (1 << 16) // max(1, s.m * s.n * s.k)) if threads > 1 else s.batch
         L.append("  auto task = [&](int64_t t0, int64_t t1) {")
         L.append("    for (int64_t bi = t0; bi < t1; ++bi) {")
-        L += ["      " + x for x in a_ptr("bi") + b_ptr("bi") + epi_lambda("bi")]
+        L += ["      " + x for x in a_ptr("bi") + b_ptr("bi") + epilogue_lambda(s, "bi")]
         L.append(f"      for (int64_t p = 0; p < {panels}; ++p)")
         L.append(f"        kg::gemm_panel(A, {lda}, Bp, {s.k}, 0, {s.m}, p, epi);")
         L.append("    }")
@@ -104,6 +86,29 @@ def emit_gemm(spec: GemmSpec, nr: int, threads: int) -> list[str]:
         L.append(f"  kiln::parallel(rt, {s.batch}, {grain}, task);")
     L.append("}")
     return L
+
+
+def epilogue_lambda(s: GemmSpec, batch_expr: str) -> list[str]:
+    """``auto epi = [&](i, c0, a0, a1)``: the micro-kernel's row callback, applying the
+    spec's epilogue to both vectors of a finished row (``i``: its row in ``s.outs`` and
+    ``s.ext``) and storing them, the N tail masked."""
+    out = ["auto epi = [&](int64_t i, int64_t c0, kv::V a0, kv::V a1) {"]
+    for h in (0, 1):
+        out.append("  {")
+        out.append(f"    const int64_t c = c0 + {h} * kv::W;")
+        out.append(f"    if (c < {s.n}) {{")
+        bias = f" + kv::splat({s.row_bias}[i])" if s.row_bias else ""
+        out.append(f"      const kv::V acc = a{h}{bias};")
+        out.append(f"      if (c + kv::W <= {s.n}) {{")
+        out += ["        " + x for x in _epilogue(s, batch_expr, None)]
+        out.append("      } else {")
+        out.append(f"        const int n = (int)({s.n} - c);")
+        out += ["        " + x for x in _epilogue(s, batch_expr, "n")]
+        out.append("      }")
+        out.append("    }")
+        out.append("  }")
+    out.append("};")
+    return out
 
 
 def _epilogue(s: GemmSpec, batch_expr: str, n: str | None) -> list[str]:
@@ -134,7 +139,7 @@ def _epilogue(s: GemmSpec, batch_expr: str, n: str | None) -> list[str]:
         )
         out.append(f"const kv::V y{m} = {expr};")
         names[node.output] = f"y{m}"
-    for v, op in s.outs.items():
+    for v, op in [*s.outs.items(), *s.copies]:
         idx, sn = index(op)
         out.append(store(op, idx, sn, names[v], n))
     return out
