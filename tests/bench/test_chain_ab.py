@@ -1,0 +1,16 @@
+"""The chains-on/off A/B really compiles two different programs and reports both."""
+
+from __future__ import annotations
+
+from kiln.bench import chain_ab
+
+
+def test_chain_ab_compares_programs_with_and_without_chains() -> None:
+    row = chain_ab.measure("tcnn_mlp", rounds=1)
+    assert row["chain_kernels"] >= 1 or row["kernels_on"] == row["kernels_off"]
+    assert row["kernels_on"] <= row["kernels_off"]
+    assert len(row["on_ms"]) == len(row["off_ms"]) == 1
+    assert row["ratio_median"] == row["off_median_ms"] / row["on_median_ms"]
+    result = {"date": "d", "cpu": {"name": "cpu", "avx512f": False}, "threads": 2,
+              "rounds": 1, "fitted_rates": False, "models": [row]}  # fmt: skip
+    assert "| tcnn_mlp |" in chain_ab.markdown(result)
