@@ -318,8 +318,8 @@ def chain_us(
     chain's weights fit one core's L2 it costs only where it outlasts the compute, not
     the ``unhidden`` share of other traffic; larger ones compete with the compute like
     any other traffic (``native_time``). Checked on 4-layer MLPs of 16-256 rows and
-    128-1024 columns: chains of up to 1 MB of weights ran 1.1-1.8x faster than their
-    GEMMs, 16 MB ones 0.74-1.47x."""
+    128-1024 columns, two runs each: chains of up to 1 MB of weights ran 0.85-1.84x as
+    fast as their separate GEMMs (1.0x or more in 11 of 12), 16 MB ones 0.74-1.47x."""
     m, mr, nr = stages[0].m, register_rows(isa), 2 * LANES.get(isa, 8)
     units = chain_row_blocks(m, threads, mr)
     used = min(threads, units)
