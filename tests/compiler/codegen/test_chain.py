@@ -66,11 +66,14 @@ def _one_chain(g: Graph) -> list[Kernel]:
     [(1, [8, 40, 33, 5], False), (13, [63, 256, 256, 100], True), (64, [32, 64, 64, 16], False),
      (250, [20, 100, 36, 40], False)],
 )  # fmt: skip
-def test_chain_matches_reference(m: int, widths: list[int], transposed: bool) -> None:
+def test_chain_matches_reference(
+    m: int, widths: list[int], transposed: bool, vector_isa: str
+) -> None:
     g = _mlp(m, widths, transposed)
     x = torch.randn(widths[0], m) if transposed else torch.randn(m, widths[0])
     inputs = [x, torch.randn(m, widths[-1])]
     compiled = compile_graph(g, kernels=_one_chain(g))
+    assert compiled.report.isa == vector_isa
     assert [k.template for k in compiled.report.kernels] == ["chain"]
     assert [k.executor for k in compiled.report.kernels] == ["native"]
     got = compiled.run_flat(inputs)
