@@ -253,8 +253,9 @@ class TemplateRules:
         """GEMM chain: mm nodes only (no bmm/conv/reduction), each later mm's left operand
         computed by the previous stage and its right operand read from outside (a
         constant, for ``chain_rows`` targets); every other node a pointwise epilogue of
-        its stage's output shape (reading no earlier stage's values, for ``chain_rows``);
-        widths within the target's ``chain_width``."""
+        its stage's output shape (reading no earlier stage's values, for ``chain_rows``,
+        whose left operands may also be a ``cat`` of the previous stage's value and
+        outside values); widths within the target's ``chain_width``."""
         if not self.ix.is_convex(mask) or not self._connected(mask):
             return False
         ix = self.ix
@@ -284,9 +285,28 @@ class TemplateRules:
                 if self.target.chain_rows and min(own) != max(own):
                     return False
                 stage[node.output] = max(own)
+            elif node.op == "cat" and self.target.chain_rows and self._chain_cat_ok(i, mask, stage):
+                stage[node.output] = len(shapes) - 1
             else:
                 return False
         return len(shapes) >= 2
+
+    def _chain_cat_ok(self, i: int, mask: int, stage: dict[str, int]) -> bool:
+        """A ``cat`` inside a row-block chain (a skip connection, NeRF's and DeepSDF's
+        input re-fed mid-network): along the last dim of a 2-D value, one piece the
+        latest stage's value and the others read from outside, read by nothing but the
+        chain's next GEMMs as their left operand."""
+        ix, node = self.ix, self.ix.nodes[i]
+        if len(self.shape[i]) != 2 or node.attrs["dim"] % 2 != 1:
+            return False
+        own = [v for v in node.inputs if v in stage]
+        if len(own) != 1 or stage[own[0]] != max(stage.values()) or node.output in ix.outputs:
+            return False
+        readers = ix.consumers[node.output]
+        return bool(readers) and all(
+            mask >> j & 1 and ix.nodes[j].op == "mm" and ix.nodes[j].inputs[0] == node.output
+            for j in readers
+        )
 
     def _reduction_ok(self, mask: int, r0: int) -> bool:
         """Row kernel: reductions share (input shape, trailing dims); pointwise nodes are

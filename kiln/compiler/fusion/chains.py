@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from kiln.compiler.fusion.aliases import GraphIndex, members
 from kiln.compiler.fusion.candidates import (
-    GPU_TARGET,
+    CPU_TARGET,
     Candidate,
     FusionTarget,
     TemplateRules,
@@ -41,7 +41,7 @@ def chain_row_blocks(m: int, threads: int, mr: int) -> int:
 def chain_candidates(
     graph: Graph,
     index: GraphIndex | None = None,
-    target: FusionTarget = GPU_TARGET,
+    target: FusionTarget = CPU_TARGET,
     max_len: int = 8,
 ) -> list[Candidate]:
     """Every legal GEMM chain of 2..``max_len`` GEMMs (none unless ``target.chains``)."""
@@ -55,8 +55,13 @@ def chain_candidates(
     links: dict[int, list[tuple[int, int]]] = {i: [] for i in mms}  # mm -> (next mm, link node)
     for j in mms:
         p = ix.producer_pos(ix.nodes[j].inputs[0])
+        if p is None:
+            continue
+        via = [p]  # the node the previous stage must hold; through a cat (row-block
+        if target.chain_rows and ix.nodes[p].op == "cat":  # chains), one of its pieces
+            via = [q for q in map(ix.producer_pos, ix.nodes[p].inputs) if q is not None]
         for i in mms:
-            if i != j and p is not None and closure[i] >> p & 1:
+            if i != j and any(closure[i] >> q & 1 for q in via):
                 links[i].append((j, p))
     out: dict[frozenset[str], Candidate] = {}
 

@@ -16,7 +16,7 @@ from kiln.compiler.fusion.candidates import (
     legal_template,
     make_candidate,
 )
-from kiln.compiler.fusion.chains import chain_row_blocks
+from kiln.compiler.fusion.chains import chain_candidates, chain_row_blocks
 from kiln.compiler.fusion.cost import GraphLookup, calibrated_work
 from kiln.compiler.fusion.cpu_cost import native_time
 from kiln.compiler.fusion.program import Kernel
@@ -148,3 +148,48 @@ def test_cpu_chain_legality() -> None:
     assert legal_template(g2, nodes, target=GPU_TARGET) == "chain"
     narrow = dataclasses.replace(CPU_TARGET, chain_width=8)
     assert legal_template(g2, nodes[:2], target=narrow) is None
+
+
+def _skip_mlp(m: int, d_in: int, width: int, d_extra: int) -> Graph:
+    """NeRF's skip: x -> 2 ReLU layers -> cat([h, x, e]) -> 2 more layers (DeepSDF too)."""
+    g = Graph()
+    x = g.add_input("x", _meta(m, d_in))
+    e = g.add_input("e", _meta(m, d_extra))
+    h, k = x, d_in
+    for i in range(4):
+        if i == 2:
+            k = width + d_in + d_extra
+            h = g.add_node("cat", (h, x, e), _meta(m, k), {"dim": -1})
+        w = g.add_constant(f"w{i}", torch.randn(k, width) / k**0.5)
+        h = g.add_node("relu", (g.add_node("mm", (h, w), _meta(m, width)),), _meta(m, width))
+        k = width
+    g.outputs = [h]
+    return g
+
+
+@pytest.mark.parametrize("m", [1, 29, 64])
+def test_chain_through_a_skip_cat(m: int, vector_isa: str) -> None:
+    g = _skip_mlp(m, 13, 40, 5)
+    inputs = [torch.randn(m, 13), torch.randn(m, 5)]
+    chains = [c for c in chain_candidates(g) if len(c.nodes) == len(g.nodes)]
+    assert chains, "the whole skip MLP is one chain candidate"
+    compiled = compile_graph(g, kernels=_one_chain(g))
+    assert [k.template for k in compiled.report.kernels] == ["chain"]
+    assert [k.executor for k in compiled.report.kernels] == ["native"]
+    got = compiled.run_flat(inputs)
+    assert_close_to_reference(got, run_graph(g, inputs), rtol_to_max=1e-5)
+    x, e = inputs
+    h = torch.relu(torch.relu(x @ g.constants["w0"]) @ g.constants["w1"])
+    h = torch.relu(torch.cat([h, x, e], dim=-1) @ g.constants["w2"])
+    assert_close_to_reference(got[0], torch.relu(h @ g.constants["w3"]), rtol_to_max=1e-5)
+
+
+def test_a_cat_read_outside_the_chain_ends_it() -> None:
+    g = _skip_mlp(8, 13, 40, 5)
+    cat = next(n for n in g.nodes if n.op == "cat")
+    g.outputs = [*g.outputs, cat.output]  # the cat's value is also a graph output
+    nodes = [n.name for n in g.nodes]
+    assert legal_template(g, nodes, target=CPU_TARGET) is None
+    assert legal_template(g, nodes, target=GPU_TARGET) is None  # GPU chains take no cat
+    before = [n.name for n in g.nodes if n.op != "cat"][:4]  # the two layers before it
+    assert legal_template(g, before, target=CPU_TARGET) == "chain"

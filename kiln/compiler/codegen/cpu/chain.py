@@ -5,7 +5,10 @@ Row i of a GEMM's output depends only on row i of its left operand, so the chain
 split into blocks and each thread carries its own blocks through every stage: stage s
 multiplies the block's rows of stage s-1's result (kept in a per-thread scratch, never
 stored) by its weight, packed at compile time, applies the stage's epilogue on
-registers, keeps the result for stage s+1 and stores whatever other kernels read.
+registers, keeps the result for stage s+1 and stores whatever other kernels read. A
+stage's left operand may be a ``cat`` of the previous result and values from outside (a
+skip connection feeding the input back in): the result goes into its columns of the
+scratch rows and the outside pieces' rows are copied beside it.
 Separate ``gemm`` kernels open one parallel region per layer and split its columns
 between the threads, so each layer waits for the slowest thread of the one before; in
 a chain no thread waits until the end. Each thread reads every weight instead of its
@@ -40,17 +43,23 @@ class ChainState(KernelState, Protocol):
     def packed_b(self, b_val: str, batched: bool) -> str | None: ...
 
 
-def split_stages(nodes: list[Node]) -> list[tuple[Node, list[Node]]]:
-    """(mm, its epilogue nodes) per stage, in order; ValueError unless every node is an
-    mm or a pointwise op reading values of exactly one stage."""
+def split_stages(nodes: list[Node]) -> tuple[list[tuple[Node, list[Node]]], dict[str, Node]]:
+    """(mm, its epilogue nodes) per stage, in order, and the ``cat`` producing a stage's
+    left operand (by its output); ValueError unless every node is an mm, a pointwise op
+    reading values of exactly one stage, or such a cat."""
     stages: list[tuple[Node, list[Node]]] = []
     stage_of: dict[str, int] = {}
+    cats: dict[str, Node] = {}
     for n in nodes:
         if n.op == "mm":
             stages.append((n, []))
             stage_of[n.output] = len(stages) - 1
             continue
         own = {stage_of[v] for v in n.inputs if v in stage_of}
+        if n.op == "cat" and len(own) == 1:
+            cats[n.output] = n
+            stage_of[n.output] = own.pop()
+            continue
         if n.cls != OpClass.POINTWISE or not supports_pointwise(n) or len(own) != 1:
             raise ValueError(f"{n.op} is not the epilogue of one chain stage")
         s = own.pop()
@@ -58,7 +67,7 @@ def split_stages(nodes: list[Node]) -> list[tuple[Node, list[Node]]]:
         stage_of[n.output] = s
     if len(stages) < 2 or nodes[0].op != "mm":
         raise ValueError("a chain is two or more mm nodes, the first one first")
-    return stages
+    return stages, cats
 
 
 def _block_rows(op: Operand) -> Operand:
@@ -71,7 +80,7 @@ def _block_rows(op: Operand) -> Operand:
 def chain_kernel(gen: ChainState, k: Kernel, nodes: list[Node]) -> list[str]:
     """Lower a ``chain`` kernel to C++ lines; ValueError when it is not of that form."""
     g = gen.g
-    stages = split_stages(nodes)
+    stages, cats = split_stages(nodes)
     for mm, _ in stages:
         if any(g.meta(v).dtype != torch.float32 for v in mm.inputs):
             raise ValueError("non-fp32 gemm in a chain")
@@ -79,8 +88,7 @@ def chain_kernel(gen: ChainState, k: Kernel, nodes: list[Node]) -> list[str]:
     mr = register_rows("avx512" if gen.nr == 32 else "avx2")
     units = chain_row_blocks(m, gen.threads, mr)
     rows_max = -(-m // units)
-    widths = [g.meta(mm.output).shape[1] for mm, _ in stages]
-    scratch = rows_max * max(widths[:-1])
+    scratch = rows_max * max(g.meta(mm.inputs[0]).shape[1] for mm, _ in stages[1:])
     stage_values = {n.output for n in nodes}
     body = [
         f"float* const H0 = kgen::scratch({SCRATCH_SLOTS[0]}, {scratch});",
@@ -89,7 +97,7 @@ def chain_kernel(gen: ChainState, k: Kernel, nodes: list[Node]) -> list[str]:
         f"  const int64_t r0 = u * {m} / {units}, rows = (u + 1) * {m} / {units} - r0;",
     ]
     for s in range(len(stages)):
-        body += ["  " + x for x in _stage(gen, k, stages, s, stage_values, rows_max)]
+        body += ["  " + x for x in _stage(gen, k, stages, cats, s, stage_values, rows_max)]
     body.append("}")
     lines = ["{", "  auto task = [&](int64_t u0, int64_t u1) {"]
     lines += ["    " + x for x in body]
@@ -101,13 +109,15 @@ def _stage(
     gen: ChainState,
     k: Kernel,
     stages: list[tuple[Node, list[Node]]],
+    cats: dict[str, Node],
     s: int,
     stage_values: set[str],
     rows_max: int,
 ) -> list[str]:
     """One stage over the row block ``[r0, r0 + rows)``: its left operand (the kernel's
     input, or the previous stage's scratch rows), every panel through the micro-kernel,
-    the epilogue storing the stage's outputs and the next stage's operand."""
+    the epilogue storing the stage's outputs and the next stage's operand (into its
+    columns of a cat, whose outside pieces are then copied beside it)."""
     g = gen.g
     mm, epi = stages[s]
     a_val, b_val = mm.inputs
@@ -136,9 +146,22 @@ def _stage(
     ext = [v for v in gen.external_inputs(epi) if v not in stage_values]
     consts = gen.consts(ext)
     copies: tuple[tuple[str, Operand], ...] = ()
+    pieces: list[str] = []  # C++ copying a cat's outside pieces into the scratch rows
     if s + 1 < len(stages):
         carry = stages[s + 1][0].inputs[0]
-        copies = ((carry, Operand(f"H{s % 2}", FLOAT, 0, (0, n, 1))),)
+        width = g.meta(carry).shape[1]
+        column, carry_at = 0, -1
+        for piece in cats[carry].inputs if carry in cats else (carry,):
+            p_width = g.meta(piece).shape[1]
+            if piece in stage_values:
+                carry, carry_at = piece, column
+            else:
+                pieces += _copy_rows(gen.operand(piece, g.meta(piece).shape), f"H{s % 2}",
+                                     width, column, p_width)  # fmt: skip
+            column += p_width
+        if carry_at < 0:
+            raise ValueError("a chain stage's left operand holds no value of the stage before")
+        copies = ((carry, Operand(f"H{s % 2}", FLOAT, carry_at, (0, width, 1))),)
     own = {mm.output} | {e.output for e in epi}
     spec = GemmSpec(
         batch=1,
@@ -161,5 +184,18 @@ def _stage(
     lines.append(f"  const float* Bp = {b_packed};")
     lines.append(f"  for (int64_t p = 0; p < {panels}; ++p)")
     lines.append(f"    kg::gemm_panel(A, {lda}, Bp, {kk}, 0, rows, p, epi);")
+    lines += ["  " + x for x in pieces]
     lines.append("}")
     return lines
+
+
+def _copy_rows(src: Operand, dst: str, width: int, column: int, n: int) -> list[str]:
+    """Copy the row block's rows of ``src`` (strides (m, n), ``n`` columns) into columns
+    ``[column, column + n)`` of the scratch rows ``dst`` (``width`` floats each)."""
+    sm, sn = src.strides
+    return [
+        "for (int64_t i = 0; i < rows; ++i)",
+        f"  for (int64_t q = 0; q < {n}; ++q)",
+        f"    {dst}[i * {width} + {column} + q] = "
+        f"{src.ptr}[{src.offset} + (r0 + i) * {sm} + q * {sn}];",
+    ]
