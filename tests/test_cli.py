@@ -18,4 +18,5 @@ def test_compile_prints_report_and_kernel_table() -> None:
     result = CliRunner().invoke(app, ["compile", "tcnn_mlp", "--profile"])
     assert result.exit_code == 0, result.output
     assert "solver blp: optimal" in result.output
-    assert "meas us" in result.output and "gemm" in result.output
+    assert "meas us" in result.output
+    assert "gemm" in result.output or "chain" in result.output  # one GEMM kernel or a chain
