@@ -41,9 +41,16 @@ def _round_ms(fn: Callable[[], object], calls: int) -> float:
 
 
 def measure(name: str, rounds: int) -> dict[str, Any]:
+    """The A/B of suite model ``name`` at its CPU batch."""
     bm = get(name)
     model, inputs = bm.builder(bm.cpu_batch)
-    model.eval()
+    return {"model": name, **compare(model.eval(), inputs, rounds)}
+
+
+def compare(
+    model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], rounds: int
+) -> dict[str, Any]:
+    """``model`` compiled with and without chains, timed in alternating rounds."""
     on = kiln.compile(model, inputs)
     target = api.CPU_TARGET
     api.CPU_TARGET = dataclasses.replace(target, chains=False)
@@ -62,7 +69,7 @@ def measure(name: str, rounds: int) -> dict[str, Any]:
             t_on.append(_round_ms(run_on, calls))
             t_off.append(_round_ms(run_off, calls))
     return {
-        "model": name, "chain_kernels": chains, "kernels_on": len(on.report.kernels),
+        "chain_kernels": chains, "kernels_on": len(on.report.kernels),
         "kernels_off": len(off.report.kernels), "on_ms": t_on, "off_ms": t_off,
         "on_median_ms": statistics.median(t_on), "off_median_ms": statistics.median(t_off),
         "ratio_median": statistics.median(t_off) / statistics.median(t_on),
