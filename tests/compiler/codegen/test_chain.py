@@ -66,14 +66,11 @@ def _one_chain(g: Graph) -> list[Kernel]:
     [(1, [8, 40, 33, 5], False), (13, [63, 256, 256, 100], True), (64, [32, 64, 64, 16], False),
      (250, [20, 100, 36, 40], False)],
 )  # fmt: skip
-def test_chain_matches_reference(
-    m: int, widths: list[int], transposed: bool, vector_isa: str
-) -> None:
+def test_chain_matches_reference(m: int, widths: list[int], transposed: bool) -> None:
     g = _mlp(m, widths, transposed)
     x = torch.randn(widths[0], m) if transposed else torch.randn(m, widths[0])
     inputs = [x, torch.randn(m, widths[-1])]
     compiled = compile_graph(g, kernels=_one_chain(g))
-    assert compiled.report.isa == vector_isa
     assert [k.template for k in compiled.report.kernels] == ["chain"]
     assert [k.executor for k in compiled.report.kernels] == ["native"]
     got = compiled.run_flat(inputs)
@@ -167,13 +164,15 @@ def _skip_mlp(m: int, d_in: int, width: int, d_extra: int) -> Graph:
     return g
 
 
-@pytest.mark.parametrize("m", [1, 29, 64])
+@pytest.mark.parametrize("m", [1, 29])
 def test_chain_through_a_skip_cat(m: int, vector_isa: str) -> None:
+    """On both vector ISAs (AVX2 built with -mno-avx512f on an AVX-512 host)."""
     g = _skip_mlp(m, 13, 40, 5)
     inputs = [torch.randn(m, 13), torch.randn(m, 5)]
     chains = [c for c in chain_candidates(g) if len(c.nodes) == len(g.nodes)]
     assert chains, "the whole skip MLP is one chain candidate"
     compiled = compile_graph(g, kernels=_one_chain(g))
+    assert compiled.report.isa == vector_isa
     assert [k.template for k in compiled.report.kernels] == ["chain"]
     assert [k.executor for k in compiled.report.kernels] == ["native"]
     got = compiled.run_flat(inputs)
