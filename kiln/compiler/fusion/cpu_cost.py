@@ -348,12 +348,17 @@ def native_time(work: NativeWork, profile: HardwareProfile, rates: KernelRates) 
     param_level = level(work.param_total, used, profile)
     act_level = level(sum(b for b, is_param, _ in work.values if not is_param), used, profile)
     memory_us = stream_us = 0.0
+    # A chain: every thread streams every weight, hidden when they fit one L2 (chain_us).
+    hidden = work.chain and sum(b for b, p, _ in work.values if p) <= profile.cache_bytes[1]
     for b, is_param, _ in work.values:
-        at = param_level if is_param else act_level
-        if is_param and work.chain:  # every thread streams every weight (see chain_us)
-            stream_us += b / (rates.serial_read_gbs[level(work.param_total, 1, profile)] * 1e3)
+        if is_param and work.chain:
+            weight_us = b / (rates.serial_read_gbs[level(work.param_total, 1, profile)] * 1e3)
+            if hidden:
+                stream_us += weight_us
+            else:
+                memory_us += weight_us
             continue
-        memory_us += b / (bw[at] * 1e3)
+        memory_us += b / (bw[param_level if is_param else act_level] * 1e3)
     light_us = work.pointwise_flops / (rates.pointwise_gflops * 1e3)
     light_us += work.row_passes * rates.row_ns * 1e-3
     compute_us = heavy_us + light_us / used
@@ -361,7 +366,5 @@ def native_time(work: NativeWork, profile: HardwareProfile, rates: KernelRates) 
     if work.gemm is not None or work.chain:
         fixed += rates.gemm_us
     gather_us = work.gathered_bytes / (rates.gather_gbs * 1e3) / used
-    if sum(b for b, is_param, _ in work.values if is_param) > profile.cache_bytes[1]:
-        memory_us, stream_us = memory_us + stream_us, 0.0  # (see chain_us)
     overlap = max(compute_us, memory_us + stream_us) + rates.unhidden * min(compute_us, memory_us)
     return fixed + overlap + pack_us + gather_us
