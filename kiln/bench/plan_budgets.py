@@ -10,7 +10,13 @@ choice saw (``deploy.plan_quality``). Reported per budget: the format, the incre
 plan counted on, the confirmed increase, its 95% upper bound, and the verdict (confirmed
 within budget, not confirmed, over budget).
 
-    python -m kiln.bench.plan_budgets [--model smollm2] [--budgets 0.5%,1%,5%] [--tokens 4096] [--priors]
+``--mixed`` adds the per-layer mixed formats (``deploy.mixed``: the compression
+allocator's INT8/INT4 mixes, measured on the search text before the planner counts on
+one). Each chosen plan is then also executed here (``deploy.execute.measure``: a fresh
+process, the fastest of ``--speed-rounds`` runs) beside the INT8 plan, executed the same
+way in turn, so its size and speed are compared with the uniform format it replaces.
+
+    python -m kiln.bench.plan_budgets [--model smollm2] [--budgets 0.5%,1%,5%] [--tokens 4096] [--priors] [--mixed]
 """
 
 from __future__ import annotations
@@ -22,32 +28,67 @@ from typing import Any
 from kiln.bench import RESULTS_DIR, system
 from kiln.deploy import parse
 from kiln.deploy.plan_job import format_accuracy, plan_deployment, verify_accuracy
-from kiln.deploy.planner import Request
+from kiln.deploy.planner import MIXED, Request
 
 FORMATS = ("bf16", "int8", "int4-g32", "int4-g64", "int4-g128")
 
 
-def run(model: str, budgets: list[float], tokens: int, priors: bool) -> dict[str, Any]:
+PROMPT, GEN = 64, 32  # the requests' prompt and generated tokens
+
+
+def run(
+    model: str, budgets: list[float], tokens: int, priors: bool, mixed: bool = False,
+    speed_rounds: int = 0,
+) -> dict[str, Any]:  # fmt: skip
     rows = []
+    formats = (*FORMATS, MIXED) if mixed else FORMATS
     for budget in budgets:
-        request = Request(batch=1, prompt_len=64, gen_len=32, max_ppl_increase=budget,
-                          formats=FORMATS)  # fmt: skip
+        request = Request(batch=1, prompt_len=PROMPT, gen_len=GEN, max_ppl_increase=budget,
+                          formats=formats)  # fmt: skip
         result = plan_deployment(model, "cpu", request, note=print, measure_accuracy=not priors)
-        if not result.document["feasible"]:
+        doc = result.document
+        if not doc["feasible"]:
             rows.append({"budget": budget, "feasible": False})
             continue
         got = verify_accuracy(result, model, tokens, note=print)
-        source = result.document["predicted"]["ppl_increase_source"]
+        source = doc["predicted"]["ppl_increase_source"]
+        comp = doc["compression"]
         rows.append({"budget": budget, "feasible": True, "planned_source": source,
-                     **got.as_dict()})  # fmt: skip
-        print(f"budget {budget:.2%}: {got.fmt}: {got.verdict}", flush=True)
+                     **got.as_dict(), "label": comp["label"],
+                     "weight_bytes": comp["weight_bytes"], "layer_counts": comp["layer_counts"],
+                     "predicted_ms_per_token": doc["predicted"]["ms_per_token"],
+                     "layout": doc["layout"]})  # fmt: skip
+        print(f"budget {budget:.2%}: {comp['label']}: {got.verdict}", flush=True)
+    if speed_rounds:
+        _speeds(model, rows, speed_rounds)
     searched = None if priors else format_accuracy(model, FORMATS, print)  # cached by now
     return {"kind": "plan-budgets", "date": time.strftime("%Y-%m-%d"), "model": model,
             "searched": None if searched is None else {"source": searched.source,
                                                        "upper": dict(searched.upper)},
             "cpu": system.cpu_info(), "versions": system.versions(), "tokens": tokens,
-            "formats": list(FORMATS), "accuracy": "priors" if priors else "measured",
+            "formats": list(formats), "accuracy": "priors" if priors else "measured",
             "rows": rows}  # fmt: skip
+
+
+def _speeds(model: str, rows: list[dict[str, Any]], rounds: int) -> None:
+    """Execute each row's plan and the INT8 plan in turn, ``rounds`` times, and keep each
+    one's fastest decode (ms/token) in the rows (``int8_ms_per_token`` beside its own)."""
+    from kiln.deploy.execute import measure
+
+    plans = {r["fmt"]: r["layout"] for r in rows if r["feasible"]}
+    one = next(iter(plans.values()), None)
+    if one is None:
+        return
+    plans.setdefault("int8", one)  # the same one-process layout
+    best: dict[str, float] = {}
+    for i in range(rounds):
+        for fmt, layout in plans.items():
+            got = measure(model, layout, fmt, PROMPT, GEN)
+            best[fmt] = min(best.get(fmt, got.ms_per_token), got.ms_per_token)
+            print(f"round {i + 1}: {fmt[:24]}: {got.ms_per_token:.2f} ms/token", flush=True)
+    for r in rows:
+        if r["feasible"]:
+            r["ms_per_token"], r["int8_ms_per_token"] = best[r["fmt"]], best["int8"]
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -63,8 +104,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{result['tokens']} tokens of Sense and Sensibility (windows of 512, stride 256; "
         "upper = one-sided 95% bound from the spread across windows).",
         "",
-        "| budget | format | planned | measured | upper bound | ppl original / plan | verdict |",
-        "| ---: | --- | ---: | ---: | ---: | --- | --- |",
+        "| budget | format | planned | measured | upper bound | ppl original / plan | verdict |"
+        " weights MB | ms/token pred / meas | INT8 ms/token |",
+        "| ---: | --- | ---: | ---: | ---: | --- | --- | ---: | ---: | ---: |",
     ]
     searched = result.get("searched")
     if searched:
@@ -75,14 +117,19 @@ def markdown(result: dict[str, Any]) -> str:
         ]
     for r in result["rows"]:
         if not r["feasible"]:
-            lines.append(f"| {r['budget']:.1%} | no feasible plan | | | | | |")
+            lines.append(f"| {r['budget']:.1%} | no feasible plan | | | | | | | | |")
             continue
         measured = "" if r["increase"] is None else f"{r['increase']:+.2%}"
         upper = "" if r["upper"] is None else f"{r['upper']:+.2%}"
         ppl = ("" if r["ppl_original"] is None else
                f"{r['ppl_original']:.2f} / {r['ppl_plan']:.2f}")  # fmt: skip
-        lines.append(f"| {r['budget']:.1%} | {r['fmt']} | {r['planned']:+.2%} | {measured} | "
-                     f"{upper} | {ppl} | {r['verdict']} |")  # fmt: skip
+        mb = f"{r['weight_bytes'] / 1e6:.1f}" if "weight_bytes" in r else ""
+        speed = (f"{r['predicted_ms_per_token']:.2f} / {r['ms_per_token']:.2f}"
+                 if "ms_per_token" in r else "")  # fmt: skip
+        int8 = f"{r['int8_ms_per_token']:.2f}" if "int8_ms_per_token" in r else ""
+        lines.append(f"| {r['budget']:.1%} | {r.get('label', r['fmt'])} | {r['planned']:+.2%} | "
+                     f"{measured} | {upper} | {ppl} | {r['verdict']} | {mb} | {speed} | "
+                     f"{int8} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -96,11 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=4096, help="confirmation-text tokens scored")
     p.add_argument("--priors", action="store_true",
                    help="choose on the planner's priors, not on measured accuracy")  # fmt: skip
+    p.add_argument("--mixed", action="store_true",
+                   help="also consider per-layer mixed INT8/INT4 formats")  # fmt: skip
+    p.add_argument("--speed-rounds", type=int, default=0,
+                   help="execute each chosen plan and the INT8 plan this many times each")  # fmt: skip
     p.add_argument("--out", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
     budgets = [parse.fraction(b) for b in args.budgets.split(",") if b.strip()]
-    result = run(args.model, budgets, args.tokens, args.priors)
-    kind = "priors" if args.priors else "measured"
+    result = run(args.model, budgets, args.tokens, args.priors, args.mixed, args.speed_rounds)
+    kind = ("priors" if args.priors else "measured") + ("-mixed" if args.mixed else "")
     system.publish(result, args.out, f"plan-budgets-{kind}-{system.device_slug(result['cpu'])}",
                    markdown(result))  # fmt: skip
     return 0

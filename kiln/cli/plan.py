@@ -24,7 +24,7 @@ def plan(
     prompt_len: Annotated[int, typer.Option(help="prompt tokens")] = 512,
     gen_len: Annotated[int, typer.Option(help="generated tokens")] = 128,
     objective: Annotated[str, typer.Option(help="cost | latency | throughput")] = "cost",
-    formats: Annotated[str, typer.Option(help="weight formats to consider")] = "fp16,int8,int4-g128",
+    formats: Annotated[str, typer.Option(help="weight formats to consider: fp32, fp16, bf16, int8, int4-g32/g64/g128, and mixed (per-layer mixes of the INT8/INT4 ones chosen by the compression allocator; needs --max-ppl-increase and a checkpoint kiln can score)")] = "fp16,int8,int4-g128",
     no_offload: Annotated[bool, typer.Option("--no-offload", help="never offload weights")] = False,
     out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
@@ -39,7 +39,11 @@ def plan(
     cost model. With --max-ppl-increase, a checkpoint kiln can load and score (one with a
     tokenizer) has each weight format's perplexity increase measured on Pride and Prejudice
     (a 95% upper bound, cached; minutes the first time); otherwise accuracy per format is a
-    stated prior from published results. Every output says which.
+    stated prior from published results. Every output says which. With "mixed" among
+    --formats such a checkpoint is also calibrated layer by layer (cached), and the
+    compression allocator's smallest per-layer INT8/INT4 mixes predicted within a ladder of
+    budgets join the search; the mixed plan the search would choose is measured on Pride and
+    Prejudice before it is counted on (up to 4, a minute or two each).
 
     An infeasible request prints the closest plan, each constraint it misses and by how
     much, and the single changes that would make it feasible. With --verify a CPU plan is
@@ -132,7 +136,7 @@ def _render(doc: dict) -> None:
     off = lay["offload"]
     table.add_row("layout", f"{lay['devices']} x {lay['device_type']}, tp {lay['tp']}, pp {lay['pp']} "
                   f"(layers per stage {lay['stage_layers']}), offload {off}, batch {lay['batch']}")  # fmt: skip
-    table.add_row("weights", f"{comp['format']}: {comp['weight_bytes'] / 1e9:.1f} GB, "
+    table.add_row("weights", f"{comp['label']}: {comp['weight_bytes'] / 1e9:.2f} GB, "
                   f"{comp['bits_per_weight']:.2f} bits per parameter")  # fmt: skip
     table.add_row("speed", f"{pred['ms_per_token']:.1f} ms/token, {pred['tokens_per_s']:.1f} tokens/s, "
                   f"time to first token {pred['ttft_ms']:.0f} ms")  # fmt: skip

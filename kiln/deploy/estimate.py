@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.deploy import estimate_cpu
+from kiln.deploy import estimate_cpu, mixed
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
 from kiln.deploy.kernel_rates import Rates
@@ -45,6 +45,14 @@ class WeightFormat:
     bits: float
     compute: str
     packed: bool
+    # a per-layer mix (``deploy.mixed``, ``name`` its spec): (format, share of the stored
+    # bytes, share of the parameters) of each format it uses
+    mix: tuple[tuple[str, float, float], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """The name tables show (a mixed spec is one letter per layer)."""
+        return mixed.label(self.name) if self.mix else self.name
 
 
 FORMATS: dict[str, WeightFormat] = {
@@ -118,12 +126,16 @@ class Measurements:
     cores             the cores the ranks share
     accuracy          each weight format's perplexity increase on this checkpoint, measured
                       on the search text (``plan_quality``), in place of the planner's priors
+    mixed             its per-layer mixed formats and their predicted increases
     """
 
     checkpoint_bytes: int = 0
     rates: Mapping[int, Rates] | None = None
     cores: int = 2
     accuracy: MeasuredAccuracy | None = None
+    # mixed per-layer formats of this checkpoint (``deploy.mixed`` specs) -> each one's
+    # predicted perplexity increase: the planner's ``mixed`` candidates
+    mixed: Mapping[str, float] = field(default_factory=dict)
 
 
 NOTHING_MEASURED = Measurements()
@@ -183,6 +195,8 @@ def estimate(
     head_read = head_w or embed_w  # a tied head reads the embedding table whole
     ms, ttft = None, None
     rates = estimate_cpu.tables_for(known.rates, known.cores, tp * pp) if kind == "cpu" else None
+    if rates is not None and fmt.mix:  # a mixed format: its formats' engines, blended
+        rates = {**rates, **mixed.blend(rates, fmt.name, mixed.Shares(fmt.mix, fmt.bits))}
     if rates is not None:
         run = estimate_cpu.CpuRun(
             fmt.name, tp, pp, b, layout.prompt_len, layout.context, layout.offload,

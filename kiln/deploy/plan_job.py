@@ -12,9 +12,14 @@ from typing import TYPE_CHECKING, Any
 from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import Measurements
 from kiln.deploy.hardware import Hardware, meminfo_bytes, parse_hardware
+from kiln.deploy.mixed import TARGETS, Sensitivity, calibration_of, frontier, is_mixed, label
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
-from kiln.deploy.planner import Plan, Request, plan
+from kiln.deploy.planner import MIXED, Candidate, Plan, Request, accuracy_kind, plan
 from kiln.models.config import ModelConfig
+
+# Mixed per-layer plans measured on the search text before one is counted on (each is a
+# scoring pass: 1-2 min on SmolLM2-135M here); measured ones are cached.
+MIXED_ROUNDS = 4
 
 if TYPE_CHECKING:
     from kiln.deploy.plan_quality import AccuracyCheck, MeasuredAccuracy
@@ -41,15 +46,81 @@ def plan_deployment(
     arch = read_architecture(model)
     hw = parse_hardware(hardware)
     known = measurements(model, hw, note)
-    if measure_accuracy and request.max_ppl_increase is not None and arch.config is not None:
+    scored = measure_accuracy and request.max_ppl_increase is not None and arch.config is not None
+    if scored:
         known = replace(known, accuracy=format_accuracy(model, request.formats, note))
+    sens = mixed_sensitivity(model, request, known, note) if scored else None
+    if sens is not None:
+        known = with_mixed(sens, request, known)
+    elif MIXED in request.formats:
+        note("no per-layer mixed formats: they are planned for a checkpoint kiln can score "
+             "against an accuracy budget (--max-ppl-increase)")  # fmt: skip
     result = plan(arch, hw, request, known=known)
+    for _ in range(MIXED_ROUNDS):
+        chosen = result.best
+        if sens is None or not is_mixed(chosen.estimate.layout.fmt.name):
+            break
+        if accuracy_kind(chosen.ppl_source) == "measured":
+            break
+        known = with_mixed(sens, request, measure_mixed(model, chosen, known, note))
+        result = plan(arch, hw, request, known=known)
     doc = check_plan(plan_to_dict(result, model))
     path = None
     if out:
         path = Path(out)
         path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     return PlanResult(result, doc, path)
+
+
+def mixed_sensitivity(
+    model: str, request: Request, known: Measurements, note: Callable[[str], None]
+) -> Sensitivity | None:
+    """Checkpoint ``model``'s per-layer sensitivity over the request's INT8 / INT4 formats
+    (``deploy.mixed``), when the request asks for mixed formats and the uniform formats
+    were measured (the predictions are calibrated on those measurements)."""
+    from kiln.deploy.mixed import sensitivity_of
+    from kiln.models.load import LoadError, resolve
+
+    if MIXED not in request.formats or known.accuracy is None:
+        return None
+    try:
+        resolve(model)
+    except LoadError:  # a config file: nothing to calibrate
+        return None
+    return sensitivity_of(model, request.formats, note)
+
+
+def with_mixed(sens: Sensitivity, request: Request, known: Measurements) -> Measurements:
+    """``known`` with the allocator's mixed plans for ``request``, each one's accuracy its
+    predicted upper bound from the calibration on what is measured so far; the plans
+    measured already stay (their measurement is their accuracy)."""
+    acc = known.accuracy
+    upper, increase = (acc.upper, acc.increase) if acc is not None else ({}, {})
+    cal = calibration_of(sens, increase, upper)
+    budget = request.max_ppl_increase
+    plans = frontier(sens, cal, (*TARGETS, budget) if budget is not None else TARGETS)
+    kept = {spec: known.mixed[spec] for spec in known.mixed if spec in upper}
+    return replace(known, mixed={**kept, **plans})
+
+
+def measure_mixed(
+    model: str, chosen: Candidate, known: Measurements, note: Callable[[str], None]
+) -> Measurements:
+    """``known`` with mixed plan ``chosen``'s perplexity increase measured on the search
+    text (as the uniform formats were)."""
+    from kiln.deploy.plan_quality import MeasuredAccuracy, measure_formats
+
+    spec = chosen.estimate.layout.fmt.name
+    note(f"measuring the chosen per-layer plan {label(spec)} (predicted "
+         f"{chosen.ppl_increase:+.2%})")  # fmt: skip
+    got = measure_formats(model, [spec], note=note)
+    acc = known.accuracy
+    if got is None or acc is None:  # cannot happen after a sensitivity was built
+        raise RuntimeError(f"{model}: the mixed plan could not be measured")
+    note(f"{label(spec)}: measured {got.upper[spec]:+.2%} (95% upper bound)")
+    measured = MeasuredAccuracy({**acc.upper, **got.upper}, acc.source,
+                                {**acc.increase, **got.increase})  # fmt: skip
+    return replace(known, accuracy=measured, mixed={**known.mixed, spec: got.upper[spec]})
 
 
 def checkpoint_bytes(model: str) -> int:

@@ -30,7 +30,7 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -119,7 +119,7 @@ def _scorer(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     return logits
 
 
-def _unscorable(model: str) -> str | None:
+def unscorable(model: str) -> str | None:
     """Why ``model`` cannot be scored here (None when it can): no tokenizer, too large for
     this machine's memory, or the texts not installed. Reads no weight."""
     from kiln.models.load import open_checkpoint
@@ -145,7 +145,7 @@ def _score(
     from kiln.quality.perplexity import window_losses
 
     reference = load_model(model, torch.float32, packed=False, with_tokenizer=True)
-    assert reference.tokenizer is not None  # checked by ``_unscorable``
+    assert reference.tokenizer is not None  # checked by ``unscorable``
     ids = corpus.first_tokens(text, reference.tokenizer, tokens)  # (tokens,): exactly, or raises
     note(f"scoring the original on {ids.numel()} tokens of {text}")
     base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
@@ -167,7 +167,7 @@ def check_accuracy(
     from kiln.quality import corpus
 
     text = corpus.CONFIRMATION_NOVEL
-    why = _unscorable(model)
+    why = unscorable(model)
     if why is not None:
         return AccuracyCheck(fmt, planned, budget, None, None, text, 0, f"not confirmed: {why}")
     base, got = _score(model, [fmt], text, tokens, note)
@@ -183,6 +183,7 @@ class MeasuredAccuracy:
 
     upper: Mapping[str, float]
     source: str  # what and where: for every output that shows the figure
+    increase: Mapping[str, float] = field(default_factory=dict)  # the estimates themselves
 
 
 def _loaded_scorer(model: str, fmt: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -198,15 +199,22 @@ def _loaded_scorer(model: str, fmt: str) -> Callable[[torch.Tensor], torch.Tenso
     return _scorer(planned.model)
 
 
-def _cache_path(model: str, fmt: str, tokens: int) -> Any:
-    """Where one format's measurement of ``model`` is kept: keyed by the checkpoint's
-    resolved path, size and modification time, the format and the tokens scored."""
-    from kiln.core.cache import cache_dir
+def checkpoint_key(model: str) -> str:
+    """What identifies a checkpoint file or folder: its resolved path, size and
+    modification time."""
     from kiln.models.load import resolve
 
     where = resolve(model)
     stat = where.stat()
-    key = f"{where.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{fmt}|{tokens}|{torch.__version__}"
+    return f"{where.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+
+
+def _cache_path(model: str, fmt: str, tokens: int) -> Any:
+    """Where one format's measurement of ``model`` is kept: keyed by the checkpoint
+    (``checkpoint_key``), the format, the tokens scored and torch's version."""
+    from kiln.core.cache import cache_dir
+
+    key = f"{checkpoint_key(model)}|{fmt}|{tokens}|{torch.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return cache_dir("plan_accuracy") / f"v{VERSION}-{digest}.json"
 
@@ -224,14 +232,16 @@ def measure_formats(
     text = corpus.SEARCH_NOVEL
     source = f"measured: 95% upper bound on {tokens} tokens of {text}"
     cached: dict[str, float] = {}
+    estimates: dict[str, float] = {"fp32": 0.0}
     for fmt in formats:
         path = _cache_path(model, fmt, tokens)
         if path.is_file():
-            cached[fmt] = float(json.loads(path.read_text(encoding="utf-8"))["upper"])
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            cached[fmt], estimates[fmt] = float(kept["upper"]), float(kept["increase"])
     missing = [f for f in formats if f not in cached and f != "fp32"]
     if not missing:
-        return MeasuredAccuracy({**cached, "fp32": 0.0}, source)
-    why = _unscorable(model)
+        return MeasuredAccuracy({**cached, "fp32": 0.0}, source, estimates)
+    why = unscorable(model)
     if why is not None:
         note(f"accuracy per format stays a prior: {why}")
         return None
@@ -239,8 +249,8 @@ def measure_formats(
     base, got = _score(model, missing, text, tokens, note)
     for fmt, losses in got.items():
         increase, upper = increase_of(losses.mean_nll, base.mean_nll, base.counts)
-        cached[fmt] = upper
+        cached[fmt], estimates[fmt] = upper, increase
         _cache_path(model, fmt, tokens).write_text(
             json.dumps({"format": fmt, "increase": increase, "upper": upper, "tokens": tokens,
                         "text": text}), encoding="utf-8")  # fmt: skip
-    return MeasuredAccuracy({**cached, "fp32": 0.0}, source)
+    return MeasuredAccuracy({**cached, "fp32": 0.0}, source, estimates)

@@ -9,7 +9,8 @@ refuses a malformed, truncated or wrong-version document, naming the field. Sche
                  "max_ttft_ms", "objective"},
      "layout": {"devices", "device_type", "tp", "pp", "stage_layers": [int], "batch",
                 "offload"},
-     "compression": {"format", "weight_bytes", "bits_per_weight", "layer_counts": {fmt: n}},
+     "compression": {"format", "label", "weight_bytes", "bits_per_weight",
+                     "layer_counts": {fmt: n}},
      "placement": {"device_bytes", "host_bytes", "disk_bytes"},
      "predicted": {"ms_per_token", "ttft_ms", "tokens_per_s", "peak_device_bytes",
                    "peak_host_bytes", "ppl_increase", "ppl_increase_source"},
@@ -20,6 +21,10 @@ refuses a malformed, truncated or wrong-version document, naming the field. Sche
      "frontier": [{"plan", "ms_per_token", "cost_per_1m_tokens_usd", "ppl_increase",
                    "feasible"}]}
 
+``compression.format``: a planner format name, or a per-layer mix (``deploy.mixed``:
+``mixed:`` and one letter per block linear); ``layer_counts`` then counts block linears
+per format, otherwise blocks. ``label``: the format's short name for tables.
+
 ``frontier``: the layouts that fit in memory and that no other beats on both ms/token and
 cost per token (the latency / cost Pareto frontier), fastest first.
 """
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from kiln.deploy.estimate import FORMATS
+from kiln.deploy.mixed import is_mixed, parse_spec
 from kiln.deploy.planner import Plan
 
 SCHEMA = "kiln.plan/1"
@@ -67,9 +74,10 @@ def plan_to_dict(plan: Plan, model: str) -> dict[str, Any]:
         },
         "compression": {
             "format": lay.fmt.name,
+            "label": lay.fmt.label,
             "weight_bytes": est.weight_bytes,
             "bits_per_weight": est.weight_bytes * 8 / plan.arch.total_params,
-            "layer_counts": {lay.fmt.name: plan.arch.n_layers},
+            "layer_counts": _layer_counts(lay.fmt.name, plan.arch.n_layers),
         },
         "placement": {
             "device_bytes": est.weight_bytes - offloaded,
@@ -103,6 +111,13 @@ def plan_to_dict(plan: Plan, model: str) -> dict[str, Any]:
             for c in plan.frontier
         ],  # fmt: skip
     }
+
+
+def _layer_counts(fmt: str, n_layers: int) -> dict[str, int]:
+    if not is_mixed(fmt):
+        return {fmt: n_layers}
+    formats = parse_spec(fmt)
+    return {f: formats.count(f) for f in dict.fromkeys(formats)}
 
 
 _REQUIRED: dict[str, dict[str, type | tuple[type, ...]]] = {
@@ -157,6 +172,15 @@ def check_plan(doc: Any) -> dict[str, Any]:
         raise PlanError("field 'layout.stage_layers': one entry per pipeline stage expected")
     if lay["offload"] not in ("none", "host", "disk"):
         raise PlanError(f"field 'layout.offload': none | host | disk, got {lay['offload']!r}")
+    fmt = doc["compression"]["format"]
+    if is_mixed(fmt):
+        try:
+            parse_spec(fmt)
+        except ValueError as err:
+            raise PlanError(f"field 'compression.format': {err}") from None
+    elif fmt not in FORMATS:
+        raise PlanError(f"field 'compression.format': {fmt!r} is not one of {sorted(FORMATS)} "
+                        "nor a mixed format")  # fmt: skip
     return doc
 
 

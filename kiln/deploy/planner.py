@@ -11,8 +11,13 @@ hundred points for 8 devices), so it is enumerated exactly rather than searched.
 Accuracy per format (``accuracy_of``): for a checkpoint kiln can load and score, each
 format's perplexity increase measured on the search text (``plan_quality.measure_formats``,
 its 95% upper bound); otherwise (a config-only model, no tokenizer) a stated *prior*
-(``PRIORS``). Every output labels which. (Measured per-layer plans come from ``kiln
-compress``, not yet joined to the search.)
+(``PRIORS``). Every output labels which.
+
+Per-layer mixed formats (``"mixed"`` among the request's formats): each plan of the
+compression allocator's size / loss frontier over the request's INT8 / INT4 formats
+(``deploy.mixed``, in ``Measurements.mixed``) is one more format of the joint space, its
+accuracy the allocator's prediction (labelled predicted) until ``plan_job`` has measured
+it.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from kiln.deploy import mixed
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.estimate import (
     FORMATS,
@@ -28,12 +34,14 @@ from kiln.deploy.estimate import (
     Estimate,
     Layout,
     Measurements,
+    WeightFormat,
     estimate,
 )
 from kiln.deploy.hardware import Hardware
 
 Objective = Literal["cost", "latency", "throughput"]
 OFFLOAD = ("none", "host", "disk")
+MIXED = "mixed"  # in ``Request.formats``: the per-layer mixed formats ``known`` has
 
 # Assumed perplexity increase of each weight-only format on a large (>= 7B) model: the
 # order of magnitude published GPTQ / LLM.int8 results show, NOT a kiln measurement.
@@ -52,16 +60,20 @@ PRIOR_SOURCE = f"prior: {PRIOR_NOTE}"
 
 def accuracy_of(fmt: str, known: Measurements = NOTHING_MEASURED) -> tuple[float, str]:
     """Format ``fmt``'s perplexity increase and where it comes from: measured on this
-    checkpoint when ``known`` has it, else the prior."""
+    checkpoint when ``known`` has it, else a mixed format's prediction, else the prior."""
     measured = known.accuracy
     if measured is not None and fmt in measured.upper:
         return measured.upper[fmt], measured.source
+    if fmt in known.mixed:
+        return known.mixed[fmt], mixed.SOURCE
     return PRIORS.get(fmt, float("nan")), PRIOR_SOURCE
 
 
 def accuracy_kind(source: str) -> str:
-    """``prior`` or ``measured``: how an ``accuracy_of`` figure was obtained."""
-    return "prior" if source == PRIOR_SOURCE else "measured"
+    """``prior``, ``predicted`` or ``measured``: how an ``accuracy_of`` figure was obtained."""
+    if source == PRIOR_SOURCE:
+        return "prior"
+    return "predicted" if source == mixed.SOURCE else "measured"
 
 
 @dataclass(frozen=True)
@@ -84,6 +96,10 @@ class Request:
             raise ValueError("batch, prompt_len and gen_len must be >= 1")
         if self.max_batch and self.max_batch < self.batch:
             raise ValueError(f"max_batch {self.max_batch} is below batch {self.batch}")
+        unknown = [f for f in self.formats if f not in FORMATS and f != MIXED]
+        if unknown:
+            raise ValueError(f"unknown weight formats {unknown}; known: {sorted(FORMATS)} "
+                             f"and {MIXED!r} (per-layer)")  # fmt: skip
 
     @property
     def batches(self) -> list[int]:
@@ -94,9 +110,6 @@ class Request:
             return [self.batch]
         doubling = [b for b in (2**i for i in range(20)) if self.batch < b < self.max_batch]
         return [self.batch, *doubling, self.max_batch]
-        unknown = [f for f in self.formats if f not in FORMATS]
-        if unknown:
-            raise ValueError(f"unknown weight formats {unknown}; known: {sorted(FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ class Candidate:
     def describe(self) -> str:
         lay = self.estimate.layout
         off = "" if lay.offload == "none" else f", offload to {lay.offload}"
-        return (f"{lay.fmt.name} on {lay.devices}x{self.hardware.device.name} (tp {lay.tp}, "
+        return (f"{lay.fmt.label} on {lay.devices}x{self.hardware.device.name} (tp {lay.tp}, "
                 f"pp {lay.pp}{off}, batch {lay.batch})")  # fmt: skip
 
 
@@ -157,7 +170,22 @@ class Plan:
         return self.best.feasible
 
 
-def layouts(arch: Architecture, hw: Hardware, request: Request) -> list[Layout]:
+def weight_formats(
+    arch: Architecture, request: Request, known: Measurements = NOTHING_MEASURED
+) -> list[WeightFormat]:
+    """The request's formats; ``mixed`` stands for every mixed format ``known`` has."""
+    out = []
+    for name in request.formats:
+        if name != MIXED:
+            out.append(FORMATS[name])
+        else:
+            out.extend(mixed.weight_format(spec, arch) for spec in known.mixed)
+    return out
+
+
+def layouts(
+    arch: Architecture, hw: Hardware, request: Request, known: Measurements = NOTHING_MEASURED
+) -> list[Layout]:
     """Every layout of the joint space for this hardware budget."""
     counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n <= hw.count} | {hw.count})
     offloads = OFFLOAD if request.allow_offload else ("none",)
@@ -166,11 +194,11 @@ def layouts(arch: Architecture, hw: Hardware, request: Request) -> list[Layout]:
         for tp in (1, 2, 4, 8):
             if n % tp or tp > arch.n_heads or n // tp > arch.n_layers:
                 continue
-            for name in request.formats:
-                act = activation_bytes(hw, name)
+            for fmt in weight_formats(arch, request, known):
+                act = activation_bytes(hw, fmt.name)
                 for off in offloads:
                     for b in request.batches:
-                        lay = Layout(FORMATS[name], n, tp, n // tp, b, request.prompt_len,
+                        lay = Layout(fmt, n, tp, n // tp, b, request.prompt_len,
                                      request.gen_len, off, act)  # fmt: skip
                         out.append(lay)
     return out
@@ -220,7 +248,7 @@ def plan(
 ) -> Plan:
     """The best candidate for ``request`` on up to ``hw.count`` devices (see module doc);
     ``known``: what has been measured of this model and machine (``estimate.Measurements``)."""
-    cands = [evaluate(arch, hw, lay, request, known) for lay in layouts(arch, hw, request)]
+    cands = [evaluate(arch, hw, lay, request, known) for lay in layouts(arch, hw, request, known)]
     # an offload layout that offloads nothing is its "none" twin: keep one of the two
     cands = [c for c in cands if c.estimate.layout.offload == "none" or c.estimate.offloaded_bytes]
     if not cands:

@@ -2,7 +2,8 @@
 
 ``store_in_format(model, fmt)`` stores the blocks' linear weights as the planner's format
 names them (``estimate.FORMATS`` on a CPU): fp32 as loaded, bf16, or kiln's INT8 / INT4
-weight-only kernels, the head then INT8 too (as ``kiln generate`` runs a compressed model).
+weight-only kernels, the head then INT8 too (as ``kiln generate`` runs a compressed model),
+or a per-layer mix of those kernels (``deploy.mixed``: a ``mixed:...`` spec).
 Execution (``execute``), ``kiln run PLAN.json`` (``generate_job``) and the engine timings the
 planner prices plans with (``kernel_rates``) all go through it, so what is timed is what
 runs.
@@ -15,15 +16,16 @@ a partial load never read, or an offloaded model's placeholders) and does the he
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
+from kiln.deploy.mixed import is_mixed, label, per_block
 from kiln.models.transformer import Transformer
 
 if TYPE_CHECKING:
     from kiln.compress.configs import Int4WeightOnly, Int8WeightOnly
-    from kiln.models.parts import BlockHook
+    from kiln.models.parts import Block, BlockHook
 
 FORMAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -37,10 +39,14 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
 
     if fmt in FORMAT_DTYPES:
         return model.to(FORMAT_DTYPES[fmt])
-    config = _quantization(fmt)
     # float block linears with data: not those quantized while loading, nor meta ones
     blocks = lambda m, name: name.startswith("layers.") and not m.weight.is_meta  # noqa: E731
-    quantize_(model, config, filter_fn=blocks)
+    if is_mixed(fmt):
+        hook = _quantize_mixed(fmt)
+        for index, block in enumerate(model.layers):
+            hook(index, cast("Block", block))
+    else:
+        quantize_(model, quantization(fmt), filter_fn=blocks)
     head = model.lm_head
     # a float head with data: not one kept packed (a GGUF's Q8_0 table), nor a released one
     if isinstance(head, torch.nn.Linear) and head.weight.numel():
@@ -54,12 +60,39 @@ def load_format(fmt: str) -> tuple[torch.dtype, BlockHook | None]:
     for the float formats). ``store_in_format`` afterwards does the head."""
     if fmt in FORMAT_DTYPES:
         return FORMAT_DTYPES[fmt], None
+    if is_mixed(fmt):
+        return torch.float32, _quantize_mixed(fmt)
     from kiln.models.parts import quantize_blocks
 
-    return torch.float32, quantize_blocks(_quantization(fmt))
+    return torch.float32, quantize_blocks(quantization(fmt))
 
 
-def _quantization(fmt: str) -> Int8WeightOnly | Int4WeightOnly:
+def _quantize_mixed(spec: str) -> BlockHook:
+    """A hook storing each linear of block ``index`` in its format of mixed ``spec``
+    (``deploy.mixed``: one format per block linear, the blocks in order)."""
+    from kiln.compress import quantize_
+    from kiln.compress.modules import CompressedLinear
+
+    def quantize(index: int, block: Block) -> None:
+        # the block's linears in module order, float or already stored (a streamed load)
+        names = [n for n, m in block.named_modules()
+                 if isinstance(m, torch.nn.Linear | CompressedLinear)]  # fmt: skip
+        blocks = per_block(spec, len(names))
+        if index >= len(blocks):
+            raise ValueError(f"mixed format {label(spec)} has {len(blocks)} blocks; "
+                             f"block {index} was read")  # fmt: skip
+        chosen = dict(zip(names, blocks[index], strict=True))
+        for part in dict.fromkeys(chosen.values()):
+            mine = lambda m, name, part=part: (  # noqa: E731
+                chosen.get(name) == part and not m.weight.is_meta
+            )
+            quantize_(block, quantization(part), filter_fn=mine)
+
+    return quantize
+
+
+def quantization(fmt: str) -> Int8WeightOnly | Int4WeightOnly:
+    """The weight-only config that stores a block linear in planner format ``fmt``."""
     from kiln.compress import Int4WeightOnly, Int8WeightOnly
 
     if fmt == "int8":

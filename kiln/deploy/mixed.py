@@ -1,0 +1,341 @@
+"""Per-layer mixed weight formats: the compression allocator's size / loss frontier as
+candidates of the deployment planner.
+
+A *mixed* format stores each linear layer of the blocks in one of the weight-only formats
+kiln runs (INT8, INT4 in groups of 128, 64 or 32; the head is INT8 as in every packed
+plan). It is written as one string, its *spec*, so it travels wherever a format name
+does (plan documents, ``kiln run``, rank processes): ``mixed:`` and one letter per block
+linear, in the model's module order (``layers.0.attn.q``, ``layers.0.attn.k``, ...)::
+
+    mixed:8a8ab...      "8" int8, "a" int4-g128, "b" int4-g64, "c" int4-g32
+
+Where mixed formats come from: the checkpoint's block linears are calibrated on *Emma*
+(inputs' second moments and output gradients, as ``kiln compress`` does), every layer is
+stored in every candidate format exactly as execution stores it, and each (layer,
+format) gets a second-order estimate of its loss increase (``compress.sensitivity``;
+``sensitivity_of``, cached). For each of a ladder of perplexity targets (``TARGETS``,
+and the request's budget), the allocator (``compress.allocate.allocate``: exact, HiGHS
+or DP) picks the smallest per-layer plan predicted within it (``frontier``): the size /
+loss frontier at the points a budget can ask for, uniform plans left to the planner.
+
+The per-layer estimate is a sum of independent second-order terms and can be off by far
+(10x has been seen on an already-quantized model), so it is calibrated on measurement
+(``calibration_of``): the summed loss is scaled by the largest measured / predicted ratio
+of the plans measured on the search text (the uniform formats first, then every mixed
+plan the planner measures), and a measurement's margin (its 95% upper bound above the
+increase) is interpolated from theirs. A mixed plan's accuracy is that *predicted* upper
+bound, labelled so, until the planner has measured it (``plan_job``: the mixed plan it
+would choose is measured, the calibration refitted, the frontier drawn again, up to
+``plan_job.MIXED_ROUNDS`` times), as ``kiln compress`` measures and tightens its plans.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from kiln.deploy.kernel_rates import Cost, Rates
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from kiln.compress.sensitivity import SensitivityTable
+    from kiln.deploy.architecture import Architecture
+    from kiln.deploy.estimate import WeightFormat
+    from kiln.models.transformer import Transformer
+
+PREFIX = "mixed:"
+CODES = {"int8": "8", "int4-g128": "a", "int4-g64": "b", "int4-g32": "c"}
+FORMAT_OF = {code: fmt for fmt, code in CODES.items()}
+CALIBRATION = (16, 512, 4)  # windows of Emma, tokens each, windows per backward pass
+VERSION = 2  # of the cached per-layer sensitivity
+SOURCE = "predicted: per-layer losses summed by the allocator, scaled to the uniform formats' measurements"
+
+
+def is_mixed(fmt: str) -> bool:
+    return fmt.startswith(PREFIX)
+
+
+def spec_of(formats: Sequence[str]) -> str:
+    """The spec of one format per block linear (module order)."""
+    bad = sorted(set(formats) - set(CODES))
+    if bad:
+        raise ValueError(f"a mixed plan stores layers as {sorted(CODES)}; not {bad}")
+    return PREFIX + "".join(CODES[f] for f in formats)
+
+
+def parse_spec(spec: str) -> list[str]:
+    """One format per block linear, from a spec; a malformed spec raises naming the fault."""
+    if not is_mixed(spec):
+        raise ValueError(f"{spec!r} is not a mixed format (it starts with {PREFIX!r})")
+    codes = spec[len(PREFIX) :]
+    bad = sorted(set(codes) - set(FORMAT_OF))
+    if not codes or bad:
+        raise ValueError(f"mixed format {label(spec)}: letters must be from "
+                         f"{''.join(FORMAT_OF)}, got {bad or 'none'}")  # fmt: skip
+    return [FORMAT_OF[c] for c in codes]
+
+
+def label(spec: str) -> str:
+    """A short name for tables: ``mixed-3f2a (int8 x 120, int4-g64 x 90)`` (a digest of
+    the spec, then the layers in each format)."""
+    codes = spec[len(PREFIX) :]
+    counts = {fmt: codes.count(code) for fmt, code in CODES.items() if code in codes}
+    parts = ", ".join(f"{fmt} x {n}" for fmt, n in counts.items())
+    digest = hashlib.sha256(spec.encode()).hexdigest()[:4]
+    return f"mixed-{digest} ({parts})"
+
+
+def per_block(spec: str, linears_per_block: int) -> list[list[str]]:
+    """The spec's formats grouped by block (every block has ``linears_per_block``)."""
+    formats = parse_spec(spec)
+    if len(formats) % linears_per_block:
+        raise ValueError(f"mixed format {label(spec)}: {len(formats)} layers is not a whole "
+                         f"number of blocks of {linears_per_block}")  # fmt: skip
+    n = linears_per_block
+    return [formats[i : i + n] for i in range(0, len(formats), n)]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How a mixed plan's block weights divide among its formats: (format, share of the
+    stored bytes, share of the parameters), and the mean stored bits per weight."""
+
+    parts: tuple[tuple[str, float, float], ...]
+    bits: float
+
+
+def shares(spec: str, sizes: Sequence[int]) -> Shares:
+    """``sizes``: the parameter count of each block linear of one block (module order),
+    the same in every block."""
+    from kiln.deploy.estimate import FORMATS
+
+    blocks = per_block(spec, len(sizes))
+    params: dict[str, float] = {}
+    for block in blocks:
+        for fmt, size in zip(block, sizes, strict=True):
+            params[fmt] = params.get(fmt, 0.0) + size
+    bits = {f: p * FORMATS[f].bits for f, p in params.items()}
+    total_p, total_b = sum(params.values()), sum(bits.values())
+    parts = tuple((f, bits[f] / total_b, params[f] / total_p) for f in params)
+    return Shares(parts, total_b / total_p)
+
+
+def weight_format(spec: str, arch: Architecture) -> WeightFormat:
+    """The planner's ``WeightFormat`` of mixed ``spec`` for ``arch``'s blocks."""
+    from kiln.deploy.estimate import WeightFormat
+
+    if len(parse_spec(spec)) != arch.n_layers * len(arch.layer_linears):
+        raise ValueError(f"mixed format {label(spec)} is for another model: {arch.name} has "
+                         f"{arch.n_layers} x {len(arch.layer_linears)} block linears")  # fmt: skip
+    mix = shares(spec, [lin.out_features * lin.in_features for lin in arch.layer_linears])
+    return WeightFormat(spec, mix.bits, "fp16", True, mix.parts)
+
+
+def blend(rates: Rates, name: str, mix: Shares) -> dict[str, dict[int, Cost]]:
+    """Engines for mixed format ``name`` composed from its formats' measured ones: a step
+    streams each format's share of the bytes at that format's rate, and pays each format's
+    fixed cost per block in proportion to its share of the parameters (the kernels it
+    launches). A prefill's FLOPs divide like the parameters. Only engines every part has
+    measured, at the row counts all of them measured."""
+    first = mix.parts[0][0]
+    out: dict[str, dict[int, Cost]] = {}
+    for engine in rates:
+        for suffix in (f"-{first}", f"-{first}+head"):
+            if not engine.endswith(suffix):
+                continue
+            stem, tail = engine[: -len(suffix)], suffix[len(first) + 1 :]
+            parts = [rates.get(f"{stem}-{fmt}{tail}") for fmt, _, _ in mix.parts]
+            if any(not p for p in parts):
+                continue
+            rows = set.intersection(*(set(p) for p in parts if p))
+            flops = stem.startswith("prefill")
+            costs: dict[int, Cost] = {}
+            for r in sorted(rows):
+                per_unit, fixed = 0.0, 0.0
+                for (_, byte_share, param_share), part in zip(mix.parts, parts, strict=True):
+                    assert part is not None
+                    cost = part[r]
+                    per_unit += (param_share if flops else byte_share) / cost.rate
+                    fixed += param_share * cost.layer_s
+                costs[r] = Cost(1.0 / per_unit, fixed)
+            out[f"{stem}-{name}{tail}"] = costs
+    return out
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """Each block linear (module order) with its options: (format, stored bytes, predicted
+    loss increase in nats per token, unscaled)."""
+
+    layers: tuple[tuple[tuple[str, int, float], ...], ...]
+
+    @staticmethod
+    def of(table: SensitivityTable) -> Sensitivity:
+        return Sensitivity(tuple(tuple((o.name, o.nbytes, max(o.predicted, 0.0)) for o in opts)
+                                 for opts in table.options.values()))  # fmt: skip
+
+    def uniform_loss(self) -> dict[str, float]:
+        """The summed predicted loss of each format every layer can take."""
+        common = set.intersection(*({f for f, _, _ in opts} for opts in self.layers))
+        return {f: sum(loss for opts in self.layers for g, _, loss in opts if g == f)
+                for f in CODES if f in common}  # fmt: skip
+
+    def loss_of(self, spec: str) -> float:
+        formats = parse_spec(spec)
+        return sum(next(loss for g, _, loss in opts if g == f)
+                   for opts, f in zip(self.layers, formats, strict=True))  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """How a summed per-layer prediction maps to a measured perplexity increase: the loss
+    times ``scale`` is the increase, and a measurement of it has a margin (its 95% upper
+    bound above it) that grows with the increase as the measured plans' did."""
+
+    scale: float
+    margins: tuple[tuple[float, float], ...]  # (increase, upper - increase), measured plans
+
+    def increase(self, loss: float) -> float:
+        return math.expm1(loss * self.scale)
+
+    def margin(self, increase: float) -> float:
+        """Interpolated between the measured plans' margins, never falling with the
+        increase (so the upper bound rises with the loss)."""
+        if not self.margins:
+            return 0.0
+        xs, ys = zip(*sorted(self.margins), strict=True)
+        return float(np.interp(increase, xs, np.maximum.accumulate(ys)))
+
+    def largest_increase(self, target: float) -> float | None:
+        """The largest increase whose upper bound is within ``target`` (None: none is)."""
+        if target - self.margin(0.0) <= 0:
+            return None
+        lo, hi = 0.0, target
+        for _ in range(60):  # bisection: increase + margin(increase) rises with it
+            mid = 0.5 * (lo + hi)
+            lo, hi = (mid, hi) if mid + self.margin(mid) <= target else (lo, mid)
+        return lo
+
+    def upper(self, loss: float) -> float:
+        """The predicted 95% upper bound a measurement of the plan would report."""
+        inc = self.increase(loss)
+        return inc + self.margin(inc)
+
+
+def calibration_of(
+    sens: Sensitivity, increase: Mapping[str, float], upper: Mapping[str, float]
+) -> Calibration:
+    """Fit the prediction to the plans measured so far (uniform formats and mixed specs,
+    their ``increase`` and 95% ``upper`` bound): ``scale`` is the largest measured /
+    predicted loss among the measurements that stand clear of their margin (else among all
+    of them; 1 when nothing was measured), so the prediction leans high."""
+    predicted = {**sens.uniform_loss(), **{n: sens.loss_of(n) for n in increase if is_mixed(n)}}
+    measured = [(n, increase[n], upper[n]) for n in increase if n in upper and n in predicted]
+    ratios = [(math.log1p(max(inc, 0.0)) / predicted[n], inc > up - inc)
+              for n, inc, up in measured if predicted[n] > 0]  # fmt: skip
+    clear = [r for r, ok in ratios if ok and r > 0]
+    scale = max(clear or [r for r, _ in ratios if r > 0] or [1.0])
+    return Calibration(scale, tuple((inc, up - inc) for _, inc, up in measured))
+
+
+# Predicted upper bounds the frontier offers plans at (and the request's budget itself).
+TARGETS = (0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2)
+
+
+def frontier(
+    sens: Sensitivity, cal: Calibration, targets: Sequence[float] = TARGETS
+) -> dict[str, float]:
+    """The allocator's mixed plans: for each target upper bound, the smallest plan whose
+    predicted upper bound is within it (``compress.allocate.allocate``, exact), uniform
+    plans left out (the planner has them). Spec -> predicted upper bound."""
+    from kiln.compress.allocate import Option, allocate
+
+    groups = [[Option(f, n, loss) for f, n, loss in opts] for opts in sens.layers]
+    least = sum(min(loss for _, _, loss in opts) for opts in sens.layers)
+    out: dict[str, float] = {}
+    for target in sorted(set(targets)):
+        inc = cal.largest_increase(target)
+        if inc is None or cal.increase(least) > inc:
+            continue  # even the least-loss plan is predicted over this target
+        got = allocate(groups, math.log1p(inc) / cal.scale)
+        formats = [groups[i][j].name for i, j in enumerate(got.choice)]
+        if len(set(formats)) > 1:
+            out[spec_of(formats)] = cal.upper(got.loss)
+    return out
+
+
+def sensitivity(
+    model: Transformer, batches: Sequence[torch.Tensor], formats: Sequence[str],
+    progress: Callable[[int, int], None] | None = None,
+) -> SensitivityTable:  # fmt: skip
+    """Every block linear of ``model`` (fp32) compressed in each of ``formats`` as
+    execution stores it, with its predicted loss increase from calibration ``batches``
+    (each (B, T) token ids): the next-token loss's output gradients weight the errors."""
+    from kiln.compress.moments import collect_stats, linear_layers
+    from kiln.compress.sensitivity import DENSE, analyse
+    from kiln.deploy.weights import quantization
+
+    layers = linear_layers(model, lambda _m, name: name.startswith("layers."))
+    stats = collect_stats(model, batches, layers, loss_fn=_next_token_loss, n_batches=len(batches))
+    configs = [quantization(f) for f in formats]
+    return analyse(layers, stats, configs, progress=progress).without({DENSE})
+
+
+def _next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross entropy of kiln's ``Transformer`` on ids (B, T)."""
+    from kiln.models.transformer import Transformer
+
+    assert isinstance(model, Transformer)
+    logits = model(ids, 0, model.new_cache(ids.shape[0], ids.shape[1]))  # (B, T, V)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
+    )
+
+
+def sensitivity_of(
+    model: str, formats: Sequence[str], note: Callable[[str], None] = lambda _: None
+) -> Sensitivity | None:
+    """Checkpoint ``model``'s per-layer sensitivity over ``formats`` (those of ``CODES``,
+    two at least), cached per checkpoint; None when it cannot be calibrated here (no
+    tokenizer, too large, texts not installed)."""
+    from kiln.deploy.plan_quality import checkpoint_key, unscorable
+
+    usable = [f for f in CODES if f in formats]
+    if len(usable) < 2:
+        return None
+    path = _cache_path(f"{checkpoint_key(model)}|{','.join(usable)}|{torch.__version__}")
+    if path.is_file():
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return Sensitivity(tuple(tuple((f, int(n), float(x)) for f, n, x in opts)
+                                 for opts in data["layers"]))  # fmt: skip
+    why = unscorable(model)
+    if why is not None:
+        note(f"no mixed per-layer plans: {why}")
+        return None
+    from kiln.models.load import load_model
+    from kiln.quality import corpus
+
+    loaded = load_model(model, torch.float32, packed=False, with_tokenizer=True)
+    assert loaded.tokenizer is not None  # checked by ``unscorable``
+    n, seq, per = CALIBRATION
+    ids = corpus.calibration_batches(loaded.tokenizer, n, seq, seed=0)  # (n, seq)
+    note(f"calibrating per-layer formats on {n} x {seq} tokens of {corpus.CALIBRATION_NOVEL} "
+         f"({', '.join(usable)}; cached)")  # fmt: skip
+    found = Sensitivity.of(sensitivity(loaded.model, list(ids.split(per)), usable))
+    path.write_text(json.dumps({"version": VERSION, "layers": found.layers}), encoding="utf-8")
+    return found
+
+
+def _cache_path(key: str) -> Any:
+    from kiln.core.cache import cache_dir
+
+    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
+    return cache_dir("plan_mixed") / f"v{VERSION}-{digest}.json"
