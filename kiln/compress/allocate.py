@@ -28,10 +28,14 @@ plan fits when its loss <= ``budget * (1 + LOSS_RTOL) + LOSS_ATOL``.
 
 from __future__ import annotations
 
+import ctypes
 import heapq
 import itertools
 import math
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -91,6 +95,29 @@ class FrontierPoint:
     cost: float
     loss: float
     choice: tuple[int, ...]
+
+
+@contextmanager
+def _native_stdout_quiet() -> Iterator[None]:
+    """Native writes to stdout dropped while HiGHS runs: some builds print a debug line
+    ("HighsMipSolverData::transformNewIntegerFeasibleSolution ...") whatever its options
+    say, and it lands in the middle of kiln's reports. Python's own output is flushed
+    first; C's buffered output is flushed before stdout comes back."""
+    sys.stdout.flush()
+    try:
+        saved = os.dup(1)
+    except OSError:  # no stdout to silence
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
 
 
 def _within(loss: float, budget: float) -> bool:
@@ -250,7 +277,9 @@ class _Milp:
         def run(objective: np.ndarray, rows: list[LinearConstraint], ub: Bounds) -> list[int]:
             rows = [LinearConstraint(one_hot, 1.0, 1.0), *rows]
             opts = {"mip_rel_gap": 0.0, "presolve": False}  # see the module docstring
-            res = milp(objective, integrality=np.ones(n), bounds=ub, constraints=rows, options=opts)
+            with _native_stdout_quiet():
+                res = milp(objective, integrality=np.ones(n), bounds=ub, constraints=rows,
+                           options=opts)  # fmt: skip
             if res.x is None or res.status != 0:  # infeasible, a limit hit, or an error
                 return []
             sel, on = np.zeros(n_groups, dtype=np.int64), res.x > 0.5

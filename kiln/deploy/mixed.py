@@ -20,9 +20,10 @@ loss frontier at the points a budget can ask for, uniform plans left to the plan
 
 The per-layer estimate is a sum of independent second-order terms and can be off by far
 (10x has been seen on an already-quantized model), so it is calibrated on measurement
-(``calibration_of``): the summed loss is scaled by the largest measured / predicted ratio
-of the plans measured on the search text (the uniform formats first, then every mixed
-plan the planner measures), and a measurement's margin (its 95% upper bound above the
+(``calibration_of``): a plan's loss beyond the least-loss measured plan's (uniform INT8)
+is scaled by the largest measured / predicted ratio of the plans measured on the search
+text (the uniform formats first, then every mixed plan the planner measures), added to
+that plan's measured increase, and a measurement's margin (its 95% upper bound above the
 increase) is interpolated from theirs. A mixed plan's accuracy is that *predicted* upper
 bound, labelled so, until the planner has measured it (``plan_job``: the mixed plan it
 would choose is measured, the calibration refitted, the frontier drawn again, up to
@@ -196,15 +197,24 @@ class Sensitivity:
 
 @dataclass(frozen=True)
 class Calibration:
-    """How a summed per-layer prediction maps to a measured perplexity increase: the loss
-    times ``scale`` is the increase, and a measurement of it has a margin (its 95% upper
-    bound above it) that grows with the increase as the measured plans' did."""
+    """How a summed per-layer prediction maps to a measured perplexity increase. Plans are
+    predicted relative to the *anchor*, the least-loss plan measured (uniform INT8 as a
+    rule): its measured log increase, plus ``scale`` times the predicted loss beyond its
+    own. A measurement has a margin (its 95% upper bound above the increase) that grows
+    with the increase as the measured plans' did."""
 
     scale: float
     margins: tuple[tuple[float, float], ...]  # (increase, upper - increase), measured plans
+    anchor: tuple[float, float] = (0.0, 0.0)  # (predicted loss, measured log increase)
 
     def increase(self, loss: float) -> float:
-        return math.expm1(loss * self.scale)
+        loss0, log0 = self.anchor
+        return math.expm1(log0 + self.scale * (loss - loss0))
+
+    def loss_for(self, increase: float) -> float:
+        """The predicted loss whose increase is ``increase`` (``increase``'s inverse)."""
+        loss0, log0 = self.anchor
+        return loss0 + (math.log1p(increase) - log0) / self.scale
 
     def margin(self, increase: float) -> float:
         """Interpolated between the measured plans' margins, never falling with the
@@ -234,16 +244,23 @@ def calibration_of(
     sens: Sensitivity, increase: Mapping[str, float], upper: Mapping[str, float]
 ) -> Calibration:
     """Fit the prediction to the plans measured so far (uniform formats and mixed specs,
-    their ``increase`` and 95% ``upper`` bound): ``scale`` is the largest measured /
-    predicted loss among the measurements that stand clear of their margin (else among all
-    of them; 1 when nothing was measured), so the prediction leans high."""
+    their ``increase`` and 95% ``upper`` bound). The anchor is the least-loss one; the
+    second-order sum over-weights the many tiny INT8 errors against the few large INT4
+    ones, so only the loss beyond the anchor's is scaled. ``scale`` is the largest measured
+    / predicted ratio of that excess among the measurements that stand clear of their
+    margin (else among all; 1 when only the anchor or nothing was measured), so the
+    prediction leans high."""
     predicted = {**sens.uniform_loss(), **{n: sens.loss_of(n) for n in increase if is_mixed(n)}}
     measured = [(n, increase[n], upper[n]) for n in increase if n in upper and n in predicted]
-    ratios = [(math.log1p(max(inc, 0.0)) / predicted[n], inc > up - inc)
-              for n, inc, up in measured if predicted[n] > 0]  # fmt: skip
+    if not measured:
+        return Calibration(1.0, ())
+    first = min(measured, key=lambda m: predicted[m[0]])
+    loss0, log0 = predicted[first[0]], math.log1p(max(first[1], 0.0))
+    ratios = [((math.log1p(max(inc, 0.0)) - log0) / (predicted[n] - loss0), inc > up - inc)
+              for n, inc, up in measured if predicted[n] > loss0]  # fmt: skip
     clear = [r for r, ok in ratios if ok and r > 0]
     scale = max(clear or [r for r, _ in ratios if r > 0] or [1.0])
-    return Calibration(scale, tuple((inc, up - inc) for _, inc, up in measured))
+    return Calibration(scale, tuple((inc, up - inc) for _, inc, up in measured), (loss0, log0))
 
 
 # Predicted upper bounds the frontier offers plans at (and the request's budget itself).
@@ -265,7 +282,7 @@ def frontier(
         inc = cal.largest_increase(target)
         if inc is None or cal.increase(least) > inc:
             continue  # even the least-loss plan is predicted over this target
-        got = allocate(groups, math.log1p(inc) / cal.scale)
+        got = allocate(groups, cal.loss_for(inc))
         formats = [groups[i][j].name for i, j in enumerate(got.choice)]
         if len(set(formats)) > 1:
             out[spec_of(formats)] = cal.upper(got.loss)

@@ -13,7 +13,6 @@ import torch
 
 from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
 from kiln.compress.modules import Int4Linear, Int8Linear
-from kiln.compress.sensitivity import LayerOption, SensitivityTable
 from kiln.deploy import mixed, plan_job
 from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import FORMATS, Measurements
@@ -162,22 +161,28 @@ def test_the_frontier_is_the_smallest_plan_predicted_within_each_target() -> Non
         assert upper <= max(targets) and upper == pytest.approx(cal.upper(sens.loss_of(spec)))
 
 
-def test_the_calibration_leans_on_the_measurements_that_stand_clear_of_noise() -> None:
-    sens = _sens([0.002, 0.05, 0.01, 0.2])
+def test_the_calibration_scales_the_loss_beyond_the_anchor_where_it_stands_clear() -> None:
+    sens = _sens([0.002, 0.05, 0.01, 0.2])  # INT8 0.004 in all, INT4 0.262
     assert mixed.calibration_of(sens, {}, {}).scale == 1.0
-    # INT8's increase is inside its margin (noise): only INT4's ratio counts
-    inc = {"int8": math.expm1(0.002), "int4-g64": math.expm1(0.262 * 1.5)}
+    # INT8 (the anchor) measured at 0.002; INT4 at 1.5x the loss beyond INT8's, clear
+    inc = {"int8": math.expm1(0.002), "int4-g64": math.expm1(0.002 + 1.5 * 0.258)}
     up = {"int8": inc["int8"] + 0.01, "int4-g64": inc["int4-g64"] + 0.05}
     cal = mixed.calibration_of(sens, inc, up)
     assert cal.scale == pytest.approx(1.5)
+    assert cal.increase(0.004) == pytest.approx(inc["int8"])  # the anchor as measured
+    assert cal.increase(0.262) == pytest.approx(inc["int4-g64"])
     assert cal.margin(inc["int8"]) == pytest.approx(0.01)
     assert cal.margin(inc["int4-g64"]) == pytest.approx(0.05)
-    # a mixed plan measured 4x its prediction raises the scale for every other plan
+    assert cal.upper(0.262) == pytest.approx(inc["int4-g64"] + 0.05)
+    # a mixed plan measured at 4x its excess raises the scale for every other plan
     spec = mixed.spec_of(["int4-g64", "int8", "int8", "int8"])
-    inc[spec], up[spec] = (
-        math.expm1(sens.loss_of(spec) * 4),
-        math.expm1(sens.loss_of(spec) * 4) + 0.01,
-    )
+    excess = sens.loss_of(spec) - 0.004
+    inc[spec] = math.expm1(0.002 + 4 * excess)
+    up[spec] = inc[spec] + 0.001
+    assert mixed.calibration_of(sens, inc, up).scale == pytest.approx(4.0)
+    # one inside its margin counts only when nothing stands clear
+    del inc["int4-g64"], up["int4-g64"]
+    up[spec] = 2 * inc[spec] + 0.001
     assert mixed.calibration_of(sens, inc, up).scale == pytest.approx(4.0)
 
 
@@ -224,12 +229,15 @@ def test_plan_deployment_measures_the_mixed_plan_before_counting_on_it(
                                    for loss in losses))  # fmt: skip
     measured: list[str] = []
 
+    base8 = sum(losses) / 50  # INT8's predicted loss
+
     def measure_formats(model: str, formats: list[str], **_: Any) -> MeasuredAccuracy:
         measured.extend(formats)
-        inc = {f: math.expm1(3 * sens.loss_of(f)) for f in formats}  # the truth: 3x
+        # the truth: INT8 as predicted, 3x the prediction beyond it
+        inc = {f: math.expm1(base8 + 3 * (sens.loss_of(f) - base8)) for f in formats}
         return MeasuredAccuracy({f: x + 0.001 for f, x in inc.items()}, "measured: test", inc)
 
-    inc8, inc4 = math.expm1(sum(losses) / 50), math.expm1(sum(losses))  # the uniform plans
+    inc8, inc4 = math.expm1(base8), math.expm1(sum(losses))  # the uniform plans, as predicted
     base = MeasuredAccuracy({"int8": inc8 + 0.001, "int4-g64": inc4 + 0.01}, "measured: test",
                             {"int8": inc8, "int4-g64": inc4})  # fmt: skip
     monkeypatch.setattr(plan_job, "measurements", lambda *a, **k: Measurements())
@@ -242,7 +250,7 @@ def test_plan_deployment_measures_the_mixed_plan_before_counting_on_it(
     doc = plan_job.plan_deployment("qwen2-0.5b", "L4", req).document
     assert measured, "the mixed plan first chosen was measured"
     first = measured[0]
-    assert math.expm1(3 * sens.loss_of(first)) + 0.001 > budget  # it was over budget
+    assert math.expm1(base8 + 3 * (sens.loss_of(first) - base8)) + 0.001 > budget  # over
     fmt = doc["compression"]["format"]
     if mixed.is_mixed(fmt):  # the final mixed plan was measured, and within budget
         assert fmt in measured and doc["predicted"]["ppl_increase_source"].startswith("measured")
