@@ -351,6 +351,28 @@ def sensitivity_of(
     return found
 
 
+def measured_before(model: str) -> dict[str, tuple[float, float]]:
+    """Mixed plans of checkpoint ``model`` measured by earlier searches: spec -> (increase,
+    95% upper bound) on the search text. A new search calibrates on them from its start."""
+    path = _measured_path(model)
+    if not path.is_file():
+        return {}
+    kept = json.loads(path.read_text(encoding="utf-8"))
+    return {spec: (float(v[0]), float(v[1])) for spec, v in kept.items()}
+
+
+def remember(model: str, spec: str, increase: float, upper: float) -> None:
+    """Keep mixed plan ``spec``'s measurement for later searches (``measured_before``)."""
+    kept = {**measured_before(model), spec: (increase, upper)}
+    _measured_path(model).write_text(json.dumps(kept), encoding="utf-8")
+
+
+def _measured_path(model: str) -> Any:
+    from kiln.deploy.plan_quality import SEARCH_TOKENS, checkpoint_key
+
+    return _cache_path(f"measured|{checkpoint_key(model)}|{SEARCH_TOKENS}|{torch.__version__}")
+
+
 def _cache_path(key: str) -> Any:
     from kiln.core.cache import cache_dir
 

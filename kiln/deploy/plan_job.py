@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Any
 from kiln.deploy.architecture import Architecture, read_architecture
 from kiln.deploy.estimate import Measurements
 from kiln.deploy.hardware import Hardware, meminfo_bytes, parse_hardware
-from kiln.deploy.mixed import TARGETS, Sensitivity, calibration_of, frontier, is_mixed, label
+from kiln.deploy.mixed import (
+    TARGETS,
+    Sensitivity,
+    calibration_of,
+    frontier,
+    is_mixed,
+    label,
+    remember,
+)
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import MIXED, Candidate, Plan, Request, accuracy_kind, plan
 from kiln.models.config import ModelConfig
@@ -51,7 +59,7 @@ def plan_deployment(
         known = replace(known, accuracy=format_accuracy(model, request.formats, note))
     sens = mixed_sensitivity(model, request, known, note) if scored else None
     if sens is not None:
-        known = with_mixed(sens, request, known)
+        known = with_mixed(sens, request, with_measured_before(model, known))
     elif MIXED in request.formats:
         note("no per-layer mixed formats: they are planned for a checkpoint kiln can score "
              "against an accuracy budget (--max-ppl-increase)")  # fmt: skip
@@ -103,6 +111,22 @@ def with_mixed(sens: Sensitivity, request: Request, known: Measurements) -> Meas
     return replace(known, mixed={**kept, **plans})
 
 
+def with_measured_before(model: str, known: Measurements) -> Measurements:
+    """``known`` with the mixed plans earlier searches measured on this checkpoint: the
+    calibration starts from them, and any of them the search picks again is not measured
+    again."""
+    from kiln.deploy.mixed import measured_before
+    from kiln.deploy.plan_quality import MeasuredAccuracy
+
+    before, acc = measured_before(model), known.accuracy
+    if not before or acc is None:
+        return known
+    upper = {spec: up for spec, (_, up) in before.items()}
+    increase = {spec: inc for spec, (inc, _) in before.items()}
+    merged = MeasuredAccuracy({**acc.upper, **upper}, acc.source, {**acc.increase, **increase})
+    return replace(known, accuracy=merged, mixed={**known.mixed, **upper})
+
+
 def measure_mixed(
     model: str, chosen: Candidate, known: Measurements, note: Callable[[str], None]
 ) -> Measurements:
@@ -118,6 +142,7 @@ def measure_mixed(
     if got is None or acc is None:  # cannot happen after a sensitivity was built
         raise RuntimeError(f"{model}: the mixed plan could not be measured")
     note(f"{label(spec)}: measured {got.upper[spec]:+.2%} (95% upper bound)")
+    remember(model, spec, got.increase[spec], got.upper[spec])
     measured = MeasuredAccuracy({**acc.upper, **got.upper}, acc.source,
                                 {**acc.increase, **got.increase})  # fmt: skip
     return replace(known, accuracy=measured, mixed={**known.mixed, spec: got.upper[spec]})

@@ -64,8 +64,14 @@ def _reference(model: Transformer, formats: list[str]) -> Transformer:
              if n.startswith("layers.") and isinstance(m, torch.nn.Linear)]  # fmt: skip
     out = copy.deepcopy(model)
     for name, fmt in zip(names, formats, strict=True):
-        config = Int8WeightOnly() if fmt == "int8" else Int4WeightOnly(group_size=int(fmt[6:]))
-        quantize_(out, config, filter_fn=lambda _m, n, name=name: n == name)
+        config: Int8WeightOnly | Int4WeightOnly = (
+            Int8WeightOnly() if fmt == "int8" else Int4WeightOnly(group_size=int(fmt[6:]))
+        )
+
+        def this_one(_m: torch.nn.Module, n: str, name: str = name) -> bool:
+            return n == name
+
+        quantize_(out, config, filter_fn=this_one)
     return out
 
 
@@ -244,6 +250,9 @@ def test_plan_deployment_measures_the_mixed_plan_before_counting_on_it(
     monkeypatch.setattr(plan_job, "format_accuracy", lambda *a, **k: base)
     monkeypatch.setattr(plan_job, "mixed_sensitivity", lambda *a, **k: sens)
     monkeypatch.setattr("kiln.deploy.plan_quality.measure_formats", measure_formats)
+    kept: dict[str, tuple[float, float]] = {}
+    monkeypatch.setattr("kiln.deploy.mixed.measured_before", lambda model: dict(kept))
+    monkeypatch.setattr(plan_job, "remember", lambda m, spec, i, u: kept.update({spec: (i, u)}))
     budget = 0.05
     req = Request(max_ppl_increase=budget, formats=("int8", "int4-g64", "mixed"),
                   allow_offload=False)  # fmt: skip
@@ -256,3 +265,21 @@ def test_plan_deployment_measures_the_mixed_plan_before_counting_on_it(
         assert fmt in measured and doc["predicted"]["ppl_increase_source"].startswith("measured")
     assert doc["predicted"]["ppl_increase"] <= budget
     assert fmt != "int8", "a mixed plan smaller than INT8 meets a 5% budget"
+    # every measurement was kept; planning again measures nothing and chooses the same
+    assert set(kept) == set(measured)
+    n_measured = len(measured)
+    again = plan_job.plan_deployment("qwen2-0.5b", "L4", req).document
+    assert len(measured) == n_measured and again["compression"]["format"] == fmt
+
+
+def test_measured_mixed_plans_are_kept_per_checkpoint(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    monkeypatch.setenv("KILN_PLAN_MIXED_DIR", str(tmp_path))
+    monkeypatch.setattr("kiln.deploy.plan_quality.checkpoint_key", lambda model: f"key:{model}")
+    assert mixed.measured_before("a") == {}
+    mixed.remember("a", "mixed:8a", 0.01, 0.015)
+    mixed.remember("a", "mixed:a8", 0.02, 0.03)
+    mixed.remember("b", "mixed:aa", 0.5, 0.6)
+    assert mixed.measured_before("a") == {"mixed:8a": (0.01, 0.015), "mixed:a8": (0.02, 0.03)}
+    assert mixed.measured_before("b") == {"mixed:aa": (0.5, 0.6)}
