@@ -10,6 +10,7 @@
 - The planner (``kiln plan``): ``architecture`` (a model's shape from a checkpoint or a
   config file), ``hardware`` (the device catalog and spec strings), ``estimate`` (memory and
   time of one layout), ``planner`` (the joint search, explanations, relaxations), ``mixed``
-  (per-layer INT8/INT4 mixes from the compression allocator as candidate formats),
+  (per-layer INT8/INT4 mixes from the compression allocator as candidate formats;
+  ``mixed_measure``: their calibration on a checkpoint and the mixes measured on it),
   ``plan_schema`` (the versioned plan document), ``plan_job`` (what the CLI calls).
 """

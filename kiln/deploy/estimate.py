@@ -74,6 +74,17 @@ RUNTIME_RESERVE = {"gpu": 1.0 * 2**30, "cpu": 0.45 * 2**30}  # CUDA context / in
 FRAGMENTATION = 0.05  # allocator slack on everything allocated at run time
 
 
+def mixed_format(spec: str, arch: Architecture) -> WeightFormat:
+    """The ``WeightFormat`` of mixed spec ``spec`` (``deploy.mixed``) for ``arch``'s blocks:
+    its mean stored bits and each of its formats' shares."""
+    if len(mixed.parse_spec(spec)) != arch.n_layers * len(arch.layer_linears):
+        raise ValueError(f"mixed format {mixed.label(spec)} is for another model: {arch.name} "
+                         f"has {arch.n_layers} x {len(arch.layer_linears)} block linears")  # fmt: skip
+    sizes = [lin.out_features * lin.in_features for lin in arch.layer_linears]
+    mix = mixed.shares(spec, sizes, {name: f.bits for name, f in FORMATS.items()})
+    return WeightFormat(spec, mix.bits, "fp16", True, mix.parts)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One candidate deployment."""
@@ -196,7 +207,7 @@ def estimate(
     ms, ttft = None, None
     rates = estimate_cpu.tables_for(known.rates, known.cores, tp * pp) if kind == "cpu" else None
     if rates is not None and fmt.mix:  # a mixed format: its formats' engines, blended
-        rates = {**rates, **mixed.blend(rates, fmt.name, mixed.Shares(fmt.mix, fmt.bits))}
+        rates = {**rates, **estimate_cpu.blend(rates, fmt.name, mixed.Shares(fmt.mix, fmt.bits))}
     if rates is not None:
         run = estimate_cpu.CpuRun(
             fmt.name, tp, pp, b, layout.prompt_len, layout.context, layout.offload,

@@ -26,6 +26,9 @@ another rate than a block, and prices the last stage on its own.
 Prefill (the prompt) runs through the eager module (``prefill-<fmt>``, or the layout's
 ``prefill-tp<T>-pp<P>-<fmt>``: the blocks' FLOPs and the head's for each sequence's last
 position, at the measured rate); a streamed plan also reads every offloaded block once more.
+
+A per-layer mixed format (``deploy.mixed``) has no engine of its own: ``blend`` composes
+each of its engines from its formats' measured ones.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from kiln.deploy.arch_rates import head_engine
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.kernel_rates import Cost, Rates, rate_at
+from kiln.deploy.mixed import Shares
 from kiln.deploy.rank_rates import layout_engine, logits_broadcast_s
 
 
@@ -161,3 +165,34 @@ def tables_for(rates: Mapping[int, Rates] | None, cores: int, ranks: int) -> Rat
     if not rates:
         return None
     return rates.get(threads_per_rank(cores, ranks))
+
+
+def blend(rates: Rates, name: str, mix: Shares) -> dict[str, dict[int, Cost]]:
+    """Engines for mixed format ``name`` composed from its formats' measured ones: a step
+    streams each format's share of the bytes at that format's rate, and pays each format's
+    fixed cost per block in proportion to its share of the parameters (the kernels it
+    launches). A prefill's FLOPs divide like the parameters. Only engines every part has
+    measured, at the row counts all of them measured."""
+    first = mix.parts[0][0]
+    out: dict[str, dict[int, Cost]] = {}
+    for engine in rates:
+        for suffix in (f"-{first}", f"-{first}+head"):
+            if not engine.endswith(suffix):
+                continue
+            stem, tail = engine[: -len(suffix)], suffix[len(first) + 1 :]
+            parts = [rates.get(f"{stem}-{fmt}{tail}") for fmt, _, _ in mix.parts]
+            if any(not p for p in parts):
+                continue
+            rows = set.intersection(*(set(p) for p in parts if p))
+            flops = stem.startswith("prefill")
+            costs: dict[int, Cost] = {}
+            for r in sorted(rows):
+                per_unit, fixed = 0.0, 0.0
+                for (_, byte_share, param_share), part in zip(mix.parts, parts, strict=True):
+                    assert part is not None
+                    cost = part[r]
+                    per_unit += (param_share if flops else byte_share) / cost.rate
+                    fixed += param_share * cost.layer_s
+                costs[r] = Cost(1.0 / per_unit, fixed)
+            out[f"{stem}-{name}{tail}"] = costs
+    return out

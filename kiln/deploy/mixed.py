@@ -13,7 +13,7 @@ Where mixed formats come from: the checkpoint's block linears are calibrated on 
 (inputs' second moments and output gradients, as ``kiln compress`` does), every layer is
 stored in every candidate format exactly as execution stores it, and each (layer,
 format) gets a second-order estimate of its loss increase (``compress.sensitivity``;
-``sensitivity_of``, cached). For each of a ladder of perplexity targets (``TARGETS``,
+``mixed_measure.sensitivity_of``, cached). For each of a ladder of perplexity targets (``TARGETS``,
 and the request's budget), the allocator (``compress.allocate.allocate``: exact, HiGHS
 or DP) picks the smallest per-layer plan predicted within it (``frontier``): the size /
 loss frontier at the points a budget can ask for, uniform plans left to the planner.
@@ -33,30 +33,19 @@ would choose is measured, the calibration refitted, the frontier drawn again, up
 from __future__ import annotations
 
 import hashlib
-import json
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
-
-from kiln.deploy.kernel_rates import Cost, Rates
 
 if TYPE_CHECKING:
-    from torch import nn
-
     from kiln.compress.sensitivity import SensitivityTable
-    from kiln.deploy.architecture import Architecture
-    from kiln.deploy.estimate import WeightFormat
-    from kiln.models.transformer import Transformer
 
 PREFIX = "mixed:"
 CODES = {"int8": "8", "int4-g128": "a", "int4-g64": "b", "int4-g32": "c"}
 FORMAT_OF = {code: fmt for fmt, code in CODES.items()}
-CALIBRATION = (16, 512, 4)  # windows of Emma, tokens each, windows per backward pass
-VERSION = 2  # of the cached per-layer sensitivity
 SOURCE = "predicted: per-layer losses summed by the allocator, scaled to the uniform formats' measurements"
 
 
@@ -113,62 +102,18 @@ class Shares:
     bits: float
 
 
-def shares(spec: str, sizes: Sequence[int]) -> Shares:
+def shares(spec: str, sizes: Sequence[int], bits_of: Mapping[str, float]) -> Shares:
     """``sizes``: the parameter count of each block linear of one block (module order),
-    the same in every block."""
-    from kiln.deploy.estimate import FORMATS
-
+    the same in every block; ``bits_of``: each format's stored bits per weight."""
     blocks = per_block(spec, len(sizes))
     params: dict[str, float] = {}
     for block in blocks:
         for fmt, size in zip(block, sizes, strict=True):
             params[fmt] = params.get(fmt, 0.0) + size
-    bits = {f: p * FORMATS[f].bits for f, p in params.items()}
+    bits = {f: p * bits_of[f] for f, p in params.items()}
     total_p, total_b = sum(params.values()), sum(bits.values())
     parts = tuple((f, bits[f] / total_b, params[f] / total_p) for f in params)
     return Shares(parts, total_b / total_p)
-
-
-def weight_format(spec: str, arch: Architecture) -> WeightFormat:
-    """The planner's ``WeightFormat`` of mixed ``spec`` for ``arch``'s blocks."""
-    from kiln.deploy.estimate import WeightFormat
-
-    if len(parse_spec(spec)) != arch.n_layers * len(arch.layer_linears):
-        raise ValueError(f"mixed format {label(spec)} is for another model: {arch.name} has "
-                         f"{arch.n_layers} x {len(arch.layer_linears)} block linears")  # fmt: skip
-    mix = shares(spec, [lin.out_features * lin.in_features for lin in arch.layer_linears])
-    return WeightFormat(spec, mix.bits, "fp16", True, mix.parts)
-
-
-def blend(rates: Rates, name: str, mix: Shares) -> dict[str, dict[int, Cost]]:
-    """Engines for mixed format ``name`` composed from its formats' measured ones: a step
-    streams each format's share of the bytes at that format's rate, and pays each format's
-    fixed cost per block in proportion to its share of the parameters (the kernels it
-    launches). A prefill's FLOPs divide like the parameters. Only engines every part has
-    measured, at the row counts all of them measured."""
-    first = mix.parts[0][0]
-    out: dict[str, dict[int, Cost]] = {}
-    for engine in rates:
-        for suffix in (f"-{first}", f"-{first}+head"):
-            if not engine.endswith(suffix):
-                continue
-            stem, tail = engine[: -len(suffix)], suffix[len(first) + 1 :]
-            parts = [rates.get(f"{stem}-{fmt}{tail}") for fmt, _, _ in mix.parts]
-            if any(not p for p in parts):
-                continue
-            rows = set.intersection(*(set(p) for p in parts if p))
-            flops = stem.startswith("prefill")
-            costs: dict[int, Cost] = {}
-            for r in sorted(rows):
-                per_unit, fixed = 0.0, 0.0
-                for (_, byte_share, param_share), part in zip(mix.parts, parts, strict=True):
-                    assert part is not None
-                    cost = part[r]
-                    per_unit += (param_share if flops else byte_share) / cost.rate
-                    fixed += param_share * cost.layer_s
-                costs[r] = Cost(1.0 / per_unit, fixed)
-            out[f"{stem}-{name}{tail}"] = costs
-    return out
 
 
 @dataclass(frozen=True)
@@ -287,94 +232,3 @@ def frontier(
         if len(set(formats)) > 1:
             out[spec_of(formats)] = cal.upper(got.loss)
     return out
-
-
-def sensitivity(
-    model: Transformer, batches: Sequence[torch.Tensor], formats: Sequence[str],
-    progress: Callable[[int, int], None] | None = None,
-) -> SensitivityTable:  # fmt: skip
-    """Every block linear of ``model`` (fp32) compressed in each of ``formats`` as
-    execution stores it, with its predicted loss increase from calibration ``batches``
-    (each (B, T) token ids): the next-token loss's output gradients weight the errors."""
-    from kiln.compress.moments import collect_stats, linear_layers
-    from kiln.compress.sensitivity import DENSE, analyse
-    from kiln.deploy.weights import quantization
-
-    layers = linear_layers(model, lambda _m, name: name.startswith("layers."))
-    stats = collect_stats(model, batches, layers, loss_fn=_next_token_loss, n_batches=len(batches))
-    configs = [quantization(f) for f in formats]
-    return analyse(layers, stats, configs, progress=progress).without({DENSE})
-
-
-def _next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of kiln's ``Transformer`` on ids (B, T)."""
-    from kiln.models.transformer import Transformer
-
-    assert isinstance(model, Transformer)
-    logits = model(ids, 0, model.new_cache(ids.shape[0], ids.shape[1]))  # (B, T, V)
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
-    )
-
-
-def sensitivity_of(
-    model: str, formats: Sequence[str], note: Callable[[str], None] = lambda _: None
-) -> Sensitivity | None:
-    """Checkpoint ``model``'s per-layer sensitivity over ``formats`` (those of ``CODES``,
-    two at least), cached per checkpoint; None when it cannot be calibrated here (no
-    tokenizer, too large, texts not installed)."""
-    from kiln.deploy.plan_quality import checkpoint_key, unscorable
-
-    usable = [f for f in CODES if f in formats]
-    if len(usable) < 2:
-        return None
-    path = _cache_path(f"{checkpoint_key(model)}|{','.join(usable)}|{torch.__version__}")
-    if path.is_file():
-        data = json.loads(path.read_text(encoding="utf-8"))
-        return Sensitivity(tuple(tuple((f, int(n), float(x)) for f, n, x in opts)
-                                 for opts in data["layers"]))  # fmt: skip
-    why = unscorable(model)
-    if why is not None:
-        note(f"no mixed per-layer plans: {why}")
-        return None
-    from kiln.models.load import load_model
-    from kiln.quality import corpus
-
-    loaded = load_model(model, torch.float32, packed=False, with_tokenizer=True)
-    assert loaded.tokenizer is not None  # checked by ``unscorable``
-    n, seq, per = CALIBRATION
-    ids = corpus.calibration_batches(loaded.tokenizer, n, seq, seed=0)  # (n, seq)
-    note(f"calibrating per-layer formats on {n} x {seq} tokens of {corpus.CALIBRATION_NOVEL} "
-         f"({', '.join(usable)}; cached)")  # fmt: skip
-    found = Sensitivity.of(sensitivity(loaded.model, list(ids.split(per)), usable))
-    path.write_text(json.dumps({"version": VERSION, "layers": found.layers}), encoding="utf-8")
-    return found
-
-
-def measured_before(model: str) -> dict[str, tuple[float, float]]:
-    """Mixed plans of checkpoint ``model`` measured by earlier searches: spec -> (increase,
-    95% upper bound) on the search text. A new search calibrates on them from its start."""
-    path = _measured_path(model)
-    if not path.is_file():
-        return {}
-    kept = json.loads(path.read_text(encoding="utf-8"))
-    return {spec: (float(v[0]), float(v[1])) for spec, v in kept.items()}
-
-
-def remember(model: str, spec: str, increase: float, upper: float) -> None:
-    """Keep mixed plan ``spec``'s measurement for later searches (``measured_before``)."""
-    kept = {**measured_before(model), spec: (increase, upper)}
-    _measured_path(model).write_text(json.dumps(kept), encoding="utf-8")
-
-
-def _measured_path(model: str) -> Any:
-    from kiln.deploy.plan_quality import SEARCH_TOKENS, checkpoint_key
-
-    return _cache_path(f"measured|{checkpoint_key(model)}|{SEARCH_TOKENS}|{torch.__version__}")
-
-
-def _cache_path(key: str) -> Any:
-    from kiln.core.cache import cache_dir
-
-    digest = hashlib.sha256(key.encode()).hexdigest()[:20]
-    return cache_dir("plan_mixed") / f"v{VERSION}-{digest}.json"

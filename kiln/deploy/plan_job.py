@@ -19,8 +19,8 @@ from kiln.deploy.mixed import (
     frontier,
     is_mixed,
     label,
-    remember,
 )
+from kiln.deploy.mixed_measure import remember
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import MIXED, Candidate, Plan, Request, accuracy_kind, plan
 from kiln.models.config import ModelConfig
@@ -86,7 +86,7 @@ def mixed_sensitivity(
     """Checkpoint ``model``'s per-layer sensitivity over the request's INT8 / INT4 formats
     (``deploy.mixed``), when the request asks for mixed formats and the uniform formats
     were measured (the predictions are calibrated on those measurements)."""
-    from kiln.deploy.mixed import sensitivity_of
+    from kiln.deploy.mixed_measure import sensitivity_of
     from kiln.models.load import LoadError, resolve
 
     if MIXED not in request.formats or known.accuracy is None:
@@ -115,7 +115,7 @@ def with_measured_before(model: str, known: Measurements) -> Measurements:
     """``known`` with the mixed plans earlier searches measured on this checkpoint: the
     calibration starts from them, and any of them the search picks again is not measured
     again."""
-    from kiln.deploy.mixed import measured_before
+    from kiln.deploy.mixed_measure import measured_before
     from kiln.deploy.plan_quality import MeasuredAccuracy
 
     before, acc = measured_before(model), known.accuracy

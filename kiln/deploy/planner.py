@@ -36,6 +36,7 @@ from kiln.deploy.estimate import (
     Measurements,
     WeightFormat,
     estimate,
+    mixed_format,
 )
 from kiln.deploy.hardware import Hardware
 
@@ -179,7 +180,7 @@ def weight_formats(
         if name != MIXED:
             out.append(FORMATS[name])
         else:
-            out.extend(mixed.weight_format(spec, arch) for spec in known.mixed)
+            out.extend(mixed_format(spec, arch) for spec in known.mixed)
     return out
 
 

@@ -13,9 +13,10 @@ import torch
 
 from kiln.compress import Int4WeightOnly, Int8WeightOnly, quantize_
 from kiln.compress.modules import Int4Linear, Int8Linear
-from kiln.deploy import mixed, plan_job
+from kiln.deploy import mixed, mixed_measure, plan_job
 from kiln.deploy.architecture import Architecture, read_architecture
-from kiln.deploy.estimate import FORMATS, Measurements
+from kiln.deploy.estimate import FORMATS, Measurements, mixed_format
+from kiln.deploy.estimate_cpu import blend
 from kiln.deploy.hardware import parse_hardware
 from kiln.deploy.kernel_rates import Cost
 from kiln.deploy.plan_quality import MeasuredAccuracy
@@ -40,7 +41,7 @@ def test_spec_round_trip_and_refusals() -> None:
         mixed.spec_of(["fp32"])
     arch = Architecture.from_model_config(TINY, "tiny", "test")
     with pytest.raises(ValueError, match="another model"):
-        mixed.weight_format("mixed:8a", arch)
+        mixed_format("mixed:8a", arch)
 
 
 def test_a_plan_document_with_a_malformed_mixed_format_is_refused() -> None:
@@ -119,7 +120,7 @@ def test_blended_engines_price_each_part_at_its_own_rate() -> None:
         "eager-int8": {1: Cost(5.0, 0.0)},  # no int4 twin: not blended
     }
     mix = mixed.Shares((("int8", 0.6, 0.4), ("int4-g64", 0.4, 0.6)), 6.0)
-    got = mixed.blend(rates, "mixed:x", mix)
+    got = blend(rates, "mixed:x", mix)
     assert set(got) == {"fast-mixed:x", "prefill-mixed:x"}
     assert set(got["fast-mixed:x"]) == {1}  # the rows both parts measured
     nbytes, blocks = 3e8, 5
@@ -251,7 +252,7 @@ def test_plan_deployment_measures_the_mixed_plan_before_counting_on_it(
     monkeypatch.setattr(plan_job, "mixed_sensitivity", lambda *a, **k: sens)
     monkeypatch.setattr("kiln.deploy.plan_quality.measure_formats", measure_formats)
     kept: dict[str, tuple[float, float]] = {}
-    monkeypatch.setattr("kiln.deploy.mixed.measured_before", lambda model: dict(kept))
+    monkeypatch.setattr("kiln.deploy.mixed_measure.measured_before", lambda model: dict(kept))
     monkeypatch.setattr(plan_job, "remember", lambda m, spec, i, u: kept.update({spec: (i, u)}))
     budget = 0.05
     req = Request(max_ppl_increase=budget, formats=("int8", "int4-g64", "mixed"),
@@ -277,9 +278,12 @@ def test_measured_mixed_plans_are_kept_per_checkpoint(
 ) -> None:
     monkeypatch.setenv("KILN_PLAN_MIXED_DIR", str(tmp_path))
     monkeypatch.setattr("kiln.deploy.plan_quality.checkpoint_key", lambda model: f"key:{model}")
-    assert mixed.measured_before("a") == {}
-    mixed.remember("a", "mixed:8a", 0.01, 0.015)
-    mixed.remember("a", "mixed:a8", 0.02, 0.03)
-    mixed.remember("b", "mixed:aa", 0.5, 0.6)
-    assert mixed.measured_before("a") == {"mixed:8a": (0.01, 0.015), "mixed:a8": (0.02, 0.03)}
-    assert mixed.measured_before("b") == {"mixed:aa": (0.5, 0.6)}
+    assert mixed_measure.measured_before("a") == {}
+    mixed_measure.remember("a", "mixed:8a", 0.01, 0.015)
+    mixed_measure.remember("a", "mixed:a8", 0.02, 0.03)
+    mixed_measure.remember("b", "mixed:aa", 0.5, 0.6)
+    assert mixed_measure.measured_before("a") == {
+        "mixed:8a": (0.01, 0.015),
+        "mixed:a8": (0.02, 0.03),
+    }
+    assert mixed_measure.measured_before("b") == {"mixed:aa": (0.5, 0.6)}
