@@ -69,7 +69,7 @@ def sensitivity_of(
         data = json.loads(path.read_text(encoding="utf-8"))
         return Sensitivity(tuple(tuple((f, int(n), float(x)) for f, n, x in opts)
                                  for opts in data["layers"]))  # fmt: skip
-    why = unscorable(model)
+    why = unscorable(model) or too_large_to_calibrate(model)
     if why is not None:
         note(f"no mixed per-layer plans: {why}")
         return None
@@ -85,6 +85,42 @@ def sensitivity_of(
     found = Sensitivity.of(sensitivity(loaded.model, list(ids.split(per)), usable))
     path.write_text(json.dumps({"version": VERSION, "layers": found.layers}), encoding="utf-8")
     return found
+
+
+def calibration_bytes(model: str) -> int:
+    """What calibrating ``model`` holds at its peak, with 15% to spare: the interpreter and
+    libraries, the mapped checkpoint and the fp32 model, every block linear's input second
+    moment (K x K fp32, all kept to the end) and output Fisher, a batch's logits with
+    their log-softmax and gradient, the activations its backward pass keeps (about six
+    hidden-wide and three MLP-wide rows per token and block), and every layer compressed
+    in every format (the table keeps them). SmolLM2-135M: 5.35 GB measured."""
+    from kiln.deploy.architecture import read_architecture
+    from kiln.deploy.estimate import FORMATS, RUNTIME_RESERVE
+    from kiln.deploy.plan_quality import checkpoint_bytes
+
+    arch = read_architecture(model)
+    moments = arch.n_layers * sum(4 * (lin.in_features**2 + lin.out_features)
+                                  for lin in arch.layer_linears)  # fmt: skip
+    _, seq, per = CALIBRATION
+    logits = 3 * 4 * per * seq * arch.vocab_size
+    width = 6 * arch.hidden_size + 3 * max(lin.out_features for lin in arch.layer_linears)
+    kept = 4 * arch.n_layers * per * seq * width
+    linear = arch.n_layers * sum(lin.out_features * lin.in_features for lin in arch.layer_linears)
+    compressed = sum(linear * FORMATS[f].bits / 8 for f in CODES)
+    held = RUNTIME_RESERVE["cpu"] + checkpoint_bytes(model) + 4 * arch.total_params
+    return int(1.15 * (held + moments + logits + kept + compressed))
+
+
+def too_large_to_calibrate(model: str, meminfo: str = "/proc/meminfo") -> str | None:
+    """Why calibrating ``model`` would not fit here (None when it fits): its peak
+    (``calibration_bytes``) must stay within half of the memory available now."""
+    from kiln.deploy.hardware import meminfo_bytes
+
+    need, have = calibration_bytes(model), meminfo_bytes("MemAvailable", meminfo)
+    if need <= have / 2:
+        return None
+    return (f"calibrating it layer by layer needs about {need / 2**30:.1f} GiB, more than "
+            f"half of the {have / 2**30:.1f} GiB available here")  # fmt: skip
 
 
 def measured_before(model: str) -> dict[str, tuple[float, float]]:

@@ -21,6 +21,7 @@ from kiln.deploy.mixed import (
     label,
 )
 from kiln.deploy.mixed_measure import remember
+from kiln.deploy.plan_quality import checkpoint_bytes
 from kiln.deploy.plan_schema import check_plan, plan_to_dict
 from kiln.deploy.planner import MIXED, Candidate, Plan, Request, accuracy_kind, plan
 from kiln.models.config import ModelConfig
@@ -146,22 +147,6 @@ def measure_mixed(
     measured = MeasuredAccuracy({**acc.upper, **got.upper}, acc.source,
                                 {**acc.increase, **got.increase})  # fmt: skip
     return replace(known, accuracy=measured, mixed={**known.mixed, spec: got.upper[spec]})
-
-
-def checkpoint_bytes(model: str) -> int:
-    """Bytes of the checkpoint file(s) kiln's loader maps for ``model`` (0 for a config-only
-    model: nothing is loaded)."""
-    from kiln.models.load import LoadError, resolve
-
-    try:
-        path = resolve(model)
-    except LoadError:  # a config.json-style file: planned on paper, never loaded
-        return 0
-    if path.is_file():
-        return path.stat().st_size
-    return sum(
-        f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")
-    )
 
 
 def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:

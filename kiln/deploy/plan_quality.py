@@ -210,6 +210,22 @@ def checkpoint_key(model: str) -> str:
     return f"{where.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
 
 
+def checkpoint_bytes(model: str) -> int:
+    """Bytes of the checkpoint file(s) kiln's loader maps for ``model`` (0 for a config-only
+    model: nothing is loaded)."""
+    from kiln.models.load import LoadError, resolve
+
+    try:
+        path = resolve(model)
+    except LoadError:  # a config.json-style file: planned on paper, never loaded
+        return 0
+    if path.is_file():
+        return path.stat().st_size
+    return sum(
+        f.stat().st_size for f in path.iterdir() if f.suffix in (".safetensors", ".bin", ".gguf")
+    )
+
+
 def _cache_path(model: str, fmt: str, tokens: int) -> Any:
     """Where one format's measurement of ``model`` is kept: keyed by the checkpoint
     (``checkpoint_key``), the format, the tokens scored and torch's version."""

@@ -10,7 +10,7 @@ from kiln.deploy.architecture import read_architecture
 from kiln.deploy.estimate import FORMATS, Layout, Measurements
 from kiln.deploy.execute import measure, run_layout
 from kiln.deploy.hardware import parse_hardware
-from kiln.deploy.plan_job import checkpoint_bytes
+from kiln.deploy.plan_quality import checkpoint_bytes
 from kiln.deploy.planner import Request, activation_bytes, evaluate
 from tests.models.families import write_checkpoint
 

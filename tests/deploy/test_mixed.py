@@ -287,3 +287,15 @@ def test_measured_mixed_plans_are_kept_per_checkpoint(
         "mixed:a8": (0.02, 0.03),
     }
     assert mixed_measure.measured_before("b") == {"mixed:aa": (0.5, 0.6)}
+
+
+def test_a_model_too_large_to_calibrate_here_says_so(tmp_path: Any) -> None:
+    """Qwen2-1.5B's per-layer statistics alone (a 8960 x 8960 moment per MLP down
+    projection, 28 of them) need about 9 GB: refused on 16 GB available, taken on 256."""
+    assert mixed_measure.calibration_bytes("qwen2-1.5b") > 9e9 + 4 * 1.5e9
+    small, large = tmp_path / "small", tmp_path / "large"
+    small.write_text("MemAvailable:   16000000 kB\n")
+    large.write_text("MemAvailable:   256000000 kB\n")
+    why = mixed_measure.too_large_to_calibrate("qwen2-1.5b", str(small))
+    assert why is not None and "layer by layer" in why
+    assert mixed_measure.too_large_to_calibrate("qwen2-1.5b", str(large)) is None
