@@ -1,8 +1,9 @@
 """The planner's predictions against execution on this CPU: ``python -m kiln.bench.plan_accuracy``.
 
 For each plan of a fixed list (``PLANS``: SmolLM2's real GGUF and two published
-architectures with random weights, Qwen2-0.5B and 1.5B; weight format x batch 1 / 4 x
-tensor- and pipeline-parallel ranks x disk offload under a RAM limit), the planner's
+architectures with random weights, Qwen2-0.5B and 1.5B; weight format, SmolLM2's
+per-layer mix for a 5% budget included, x batch 1 / 4 x tensor- and pipeline-parallel
+ranks x disk offload under a RAM limit), the planner's
 estimate for its hardware spec is put beside the plan executed in a fresh process
 (``kiln.deploy.execute.measure``: decode ms/token, time to first token, peak RSS of every
 process of the plan). Reported: each relative error, their median and worst, whether
@@ -30,18 +31,22 @@ from typing import Any
 
 from kiln.bench import RESULTS_DIR, system
 from kiln.bench.random_checkpoint import random_checkpoint
+from kiln.deploy import parse
 from kiln.deploy.architecture import published_config, read_architecture
-from kiln.deploy.estimate import FORMATS, Layout
+from kiln.deploy.estimate import FORMATS, Layout, mixed_format
 from kiln.deploy.execute import Measured, measure
 from kiln.deploy.hardware import parse_hardware
-from kiln.deploy.plan_job import measurements
-from kiln.deploy.planner import Request, activation_bytes, evaluate
+from kiln.deploy.mixed import is_mixed
+from kiln.deploy.plan_job import measurements, plan_deployment
+from kiln.deploy.planner import MIXED, Request, activation_bytes, evaluate
 
 
 @dataclass(frozen=True)
 class PlanSpec:
     """One executed plan: the model, its layout, and the hardware spec it is planned for
-    (``Nxcpu``: N ranks of this host; ``cpu,ram=2GB``: a RAM limit that forces offload)."""
+    (``Nxcpu``: N ranks of this host; ``cpu,ram=2GB``: a RAM limit that forces offload).
+    ``fmt`` ``mixed@B``: the per-layer mix ``kiln plan`` chooses for a budget of B
+    (``plan_format``)."""
 
     model: str
     fmt: str
@@ -74,7 +79,23 @@ PLANS = (
     PlanSpec("qwen2-0.5b", "fp32", 1, offload="disk", hardware="cpu,ram=2GB"),
     PlanSpec("qwen2-1.5b", "int8", 1), PlanSpec("qwen2-1.5b", "int4-g128", 4),
     PlanSpec("qwen2-1.5b", "bf16", 1), PlanSpec("qwen2-1.5b", "int8", 1, tp=2),
+    PlanSpec("smollm2", "mixed@5%", 1), PlanSpec("smollm2", "mixed@5%", 4),
+    PlanSpec("smollm2", "mixed@5%", 1, tp=2),
 )  # fmt: skip
+MIX_FORMATS = ("int8", "int4-g128", "int4-g64", "int4-g32", MIXED)
+
+
+def plan_format(p: PlanSpec, prompt_len: int, gen_len: int) -> str:
+    """``p``'s weight format: as named, or for ``mixed@B`` the format ``kiln plan`` chooses
+    for a perplexity budget of B among INT8, INT4 and their per-layer mixes (its
+    measurements cached, so a plan chosen before is found again without scoring)."""
+    if not p.fmt.startswith("mixed@"):
+        return p.fmt
+    budget = parse.fraction(p.fmt[len("mixed@") :])
+    request = Request(batch=p.batch, prompt_len=prompt_len, gen_len=gen_len,
+                      max_ppl_increase=budget, formats=MIX_FORMATS)  # fmt: skip
+    doc = plan_deployment(checkpoint_of(p.model), "cpu", request, note=print).document
+    return str(doc["compression"]["format"])
 
 
 def checkpoint_of(model: str) -> str:
@@ -93,12 +114,14 @@ def predict(
     path = checkpoint_of(p.model)
     arch, hw = read_architecture(path), parse_hardware(p.spec)
     known = measurements(path, hw, note=print, per_architecture=per_architecture)
-    lay = Layout(FORMATS[p.fmt], p.tp * p.pp, p.tp, p.pp, p.batch, prompt_len, gen_len,
-                 p.offload, activation_bytes(hw, p.fmt))  # fmt: skip
+    fmt = plan_format(p, prompt_len, gen_len)
+    weights = mixed_format(fmt, arch) if is_mixed(fmt) else FORMATS[fmt]
+    lay = Layout(weights, p.tp * p.pp, p.tp, p.pp, p.batch, prompt_len, gen_len,
+                 p.offload, activation_bytes(hw, fmt))  # fmt: skip
     cand = evaluate(arch, hw, lay, Request(batch=p.batch, prompt_len=prompt_len,
                                            gen_len=gen_len), known)  # fmt: skip
     layout = {"tp": p.tp, "pp": p.pp, "batch": p.batch, "offload": p.offload,
-              "stage_layers": list(cand.estimate.stages)}  # fmt: skip
+              "stage_layers": list(cand.estimate.stages), "format": fmt}  # fmt: skip
     return cand, layout
 
 
@@ -111,7 +134,7 @@ def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -
     for p in plans:
         cand, layout = predict(p, prompt_len, gen_len)
         est = cand.estimate
-        runs.append((checkpoint_of(p.model), layout, p.fmt, []))
+        runs.append((checkpoint_of(p.model), layout, layout["format"], []))
         rows.append({
             "plan": p.describe(), "hardware": p.spec,
             "fits": cand.feasible, "memory_limit_bytes": est.device_memory_bytes,

@@ -39,3 +39,26 @@ def test_rounds_keep_the_fastest_run_and_report_the_spread(
     assert "calibration_only" in result["summary"]
     text = bench.markdown(result)
     assert "executed 3 times" in text and "| 25% |" in text  # the spread column
+
+
+def test_a_mixed_plan_is_the_one_kiln_plan_chooses_for_its_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    asked: list[Any] = []
+
+    class Chosen:
+        document = {"compression": {"format": "mixed:8a"}}
+
+    def fake_plan(model: str, hardware: str, request: Any, **_: Any) -> Chosen:
+        asked.append((model, hardware, request))
+        return Chosen()
+
+    monkeypatch.setattr(bench, "checkpoint_of", lambda model: f"/ckpt/{model}")
+    monkeypatch.setattr(bench, "plan_deployment", fake_plan)
+    assert bench.plan_format(bench.PlanSpec("smollm2", "int8", 1), 64, 8) == "int8"
+    assert asked == []
+    assert bench.plan_format(bench.PlanSpec("smollm2", "mixed@5%", 4), 64, 8) == "mixed:8a"
+    ((model, hardware, request),) = asked
+    assert (model, hardware) == ("/ckpt/smollm2", "cpu")
+    assert request.max_ppl_increase == pytest.approx(0.05) and "mixed" in request.formats
+    assert request.batch == 4 and request.prompt_len == 64
