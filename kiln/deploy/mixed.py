@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 PREFIX = "mixed:"
 CODES = {"int8": "8", "int4-g128": "a", "int4-g64": "b", "int4-g32": "c"}
 FORMAT_OF = {code: fmt for fmt, code in CODES.items()}
-SOURCE = "predicted: per-layer losses summed by the allocator, scaled to the uniform formats' measurements"
+SOURCE = "predicted: the allocator's per-layer losses, calibrated on the plans measured so far"
 
 
 def is_mixed(fmt: str) -> bool:
