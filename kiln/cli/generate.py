@@ -139,16 +139,14 @@ def _run_plan(path: str, prompt: str, max_new_tokens: int, sampling: Any, chat: 
     """Execute the plan file at ``path`` (``kiln plan --out``)."""
     import tempfile
 
-    from kiln.deploy.mixed import is_mixed, label
+    from kiln.deploy.mixed import shown
     from kiln.deploy.plan_job import request_from_plan
     from kiln.deploy.plan_schema import load_plan
 
     with tempfile.TemporaryDirectory(prefix="kiln-run-offload-") as store, refused():
         request = request_from_plan(load_plan(path), prompt, max_new_tokens, store,
                                     sampling=sampling, chat=chat)  # fmt: skip
-        fmt = request.weights or ""
-        lay = (request.tp, request.pp, label(fmt) if is_mixed(fmt) else fmt,
-               request.offload is not None)  # fmt: skip
+        lay = (request.tp, request.pp, shown(request.weights or ""), request.offload is not None)
         console.print(f"[dim]plan {path}: tp {lay[0]}, pp {lay[1]}, weights {lay[2]}"
                       f"{', blocks streamed from disk' if lay[3] else ''}[/dim]")  # fmt: skip
         _show_generation(request)

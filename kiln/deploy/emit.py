@@ -14,6 +14,8 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kiln.deploy.mixed import shown
+
 Engine = Literal["torchrun", "vllm"]
 ENGINES: tuple[Engine, ...] = ("torchrun", "vllm")
 GPUS_PER_MACHINE = 8
@@ -59,7 +61,7 @@ def _torchrun(doc: dict[str, Any]) -> Emitted:
         lines.append(shlex.join(cmd))
     missing = []
     if comp["format"] not in ("fp32", "bf16", "fp16"):
-        missing.append(f"weights in {comp.get('label', comp['format'])}: compress first (kiln compress ... --out DIR) "
+        missing.append(f"weights in {shown(comp['format'])}: compress first (kiln compress ... --out DIR) "
                        "and run that folder; kiln run loads the checkpoint as stored")  # fmt: skip
     if lay["offload"] != "none":
         missing.append(f"offload to {lay['offload']}: kiln's offloading runs in one process")
@@ -78,7 +80,7 @@ def _vllm(doc: dict[str, Any]) -> Emitted:
         cmd += ["--dtype", VLLM_DTYPES[fmt]]
     else:
         cmd += ["--quantization", "gptq"]
-        missing.append(f"{comp.get('label', fmt)} weights: vLLM serves a checkpoint already quantized (GPTQ of the "
+        missing.append(f"{shown(fmt)} weights: vLLM serves a checkpoint already quantized (GPTQ of the "
                        "same bits here); it cannot apply kiln's format or per-layer mixed "
                        "precision itself")  # fmt: skip
     if lay["offload"] == "host":

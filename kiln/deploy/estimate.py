@@ -52,7 +52,7 @@ class WeightFormat:
     @property
     def label(self) -> str:
         """The name tables show (a mixed spec is one letter per layer)."""
-        return mixed.label(self.name) if self.mix else self.name
+        return mixed.shown(self.name)
 
 
 FORMATS: dict[str, WeightFormat] = {

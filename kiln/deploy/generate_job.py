@@ -132,12 +132,11 @@ def prepare(loaded: LoadedModel, request: GenerateRequest) -> list[str]:
     model = loaded.model
     set_activations_(model, request.gguf_activations)
     if request.weights is not None:
-        from kiln.deploy.mixed import is_mixed, label
+        from kiln.deploy.mixed import shown
         from kiln.deploy.weights import store_in_format
 
         store_in_format(model, request.weights)
-        shown = label(request.weights) if is_mixed(request.weights) else request.weights
-        return [f"block weights stored as {shown} (the plan's format)"]
+        return [f"block weights stored as {shown(request.weights)} (the plan's format)"]
     if request.head == "fp32" and isinstance(model.lm_head, GgufLinear):
         return [_float_head(model)]
     int8_head = request.head == "int8" or (request.head == "auto" and _compressed(model))

@@ -83,6 +83,11 @@ def label(spec: str) -> str:
     return f"mixed-{digest} ({parts})"
 
 
+def shown(fmt: str) -> str:
+    """How outputs name any weight format: a mixed spec by its ``label``, others as is."""
+    return label(fmt) if is_mixed(fmt) else fmt
+
+
 def per_block(spec: str, linears_per_block: int) -> list[list[str]]:
     """The spec's formats grouped by block (every block has ``linears_per_block``)."""
     formats = parse_spec(spec)

@@ -140,7 +140,7 @@ def _score(
 ) -> tuple[WindowLosses, dict[str, WindowLosses]]:
     """The float original's window losses on the first ``tokens`` tokens of novel ``text``,
     and each of ``formats``' on the same windows (one model in memory at a time)."""
-    from kiln.deploy.mixed import is_mixed, label
+    from kiln.deploy.mixed import shown
     from kiln.models.load import load_model
     from kiln.quality import corpus
     from kiln.quality.perplexity import window_losses
@@ -153,7 +153,7 @@ def _score(
     del reference
     out = {}
     for fmt in formats:
-        note(f"scoring {label(fmt) if is_mixed(fmt) else fmt} on the same tokens")
+        note(f"scoring {shown(fmt)} on the same tokens")
         out[fmt] = window_losses(_loaded_scorer(model, fmt), ids, CONTEXT, STRIDE)
     return base, out
 
