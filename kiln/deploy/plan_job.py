@@ -117,15 +117,13 @@ def with_measured_before(model: str, known: Measurements) -> Measurements:
     calibration starts from them, and any of them the search picks again is not measured
     again."""
     from kiln.deploy.mixed_measure import measured_before
-    from kiln.deploy.plan_quality import MeasuredAccuracy
 
     before, acc = measured_before(model), known.accuracy
     if not before or acc is None:
         return known
     upper = {spec: up for spec, (_, up) in before.items()}
     increase = {spec: inc for spec, (inc, _) in before.items()}
-    merged = MeasuredAccuracy({**acc.upper, **upper}, acc.source, {**acc.increase, **increase})
-    return replace(known, accuracy=merged, mixed={**known.mixed, **upper})
+    return replace(known, accuracy=acc.merged(upper, increase), mixed={**known.mixed, **upper})
 
 
 def measure_mixed(
@@ -133,7 +131,7 @@ def measure_mixed(
 ) -> Measurements:
     """``known`` with mixed plan ``chosen``'s perplexity increase measured on the search
     text (as the uniform formats were)."""
-    from kiln.deploy.plan_quality import MeasuredAccuracy, measure_formats
+    from kiln.deploy.plan_quality import measure_formats
 
     spec = chosen.estimate.layout.fmt.name
     note(f"measuring the chosen per-layer plan {label(spec)} (predicted "
@@ -144,9 +142,8 @@ def measure_mixed(
         raise RuntimeError(f"{model}: the mixed plan could not be measured")
     note(f"{label(spec)}: measured {got.upper[spec]:+.2%} (95% upper bound)")
     remember(model, spec, got.increase[spec], got.upper[spec])
-    measured = MeasuredAccuracy({**acc.upper, **got.upper}, acc.source,
-                                {**acc.increase, **got.increase})  # fmt: skip
-    return replace(known, accuracy=measured, mixed={**known.mixed, spec: got.upper[spec]})
+    return replace(known, accuracy=acc.merged(got.upper, got.increase),
+                   mixed={**known.mixed, spec: got.upper[spec]})  # fmt: skip
 
 
 def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:

@@ -186,6 +186,11 @@ class MeasuredAccuracy:
     source: str  # what and where: for every output that shows the figure
     increase: Mapping[str, float] = field(default_factory=dict)  # the estimates themselves
 
+    def merged(self, upper: Mapping[str, float], increase: Mapping[str, float]) -> MeasuredAccuracy:
+        """These measurements with more (of the same text and tokens) added."""
+        return MeasuredAccuracy({**self.upper, **upper}, self.source,
+                                {**self.increase, **increase})  # fmt: skip
+
 
 def _loaded_scorer(model: str, fmt: str) -> Callable[[torch.Tensor], torch.Tensor]:
     """``model`` loaded in plan format ``fmt`` as ``kiln run`` loads it, as a scorer."""
