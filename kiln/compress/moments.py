@@ -61,9 +61,10 @@ def _shared_weight_ids(model: nn.Module) -> set[int]:
     return {pid for pid, count in owners.items() if count > 1}
 
 
-def causal_lm_loss(model: nn.Module, input_ids: Tensor) -> Tensor:
+def causal_lm_loss(model: Callable[[Tensor], Any], input_ids: Tensor) -> Tensor:
     """Summed next-token cross-entropy of a causal LM on (B, T) ids (a per-token sum, so
-    each token's gradient is its own, not divided by the token count)."""
+    each token's gradient is its own, not divided by the token count). ``model``: ids ->
+    logits (B, T, V), or an output with ``.logits``."""
     out = model(input_ids)
     logits = out.logits if hasattr(out, "logits") else out  # (B, T, V)
     return F.cross_entropy(

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from kiln.models.transformer import Transformer
 
 CALIBRATION = (16, 512, 4)  # windows of Emma, tokens each, windows per backward pass
-VERSION = 2  # of the cached per-layer sensitivity
+VERSION = 3  # of the cached per-layer sensitivity
 
 
 def sensitivity(
@@ -43,14 +43,11 @@ def sensitivity(
 
 
 def _next_token_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross entropy of kiln's ``Transformer`` on ids (B, T)."""
-    from kiln.models.transformer import Transformer
+    """``kiln compress``'s summed next-token loss of kiln's ``Transformer`` on ids (B, T)."""
+    from kiln.compress.moments import causal_lm_loss
+    from kiln.deploy.plan_quality import logits_fn
 
-    assert isinstance(model, Transformer)
-    logits = model(ids, 0, model.new_cache(ids.shape[0], ids.shape[1]))  # (B, T, V)
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]).float(), ids[:, 1:].reshape(-1)
-    )
+    return causal_lm_loss(logits_fn(model), ids)
 
 
 def sensitivity_of(

@@ -109,7 +109,7 @@ def too_large_to_score(model: str, meminfo: str = "/proc/meminfo") -> str | None
             f"{have / 2**30:.1f} GiB available here")  # fmt: skip
 
 
-def _scorer(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+def logits_fn(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     """kiln's ``Transformer`` as ``quality.perplexity`` calls a model: ids (B, T) ->
     logits (B, T, V), a fresh cache per batch of windows."""
 
@@ -149,7 +149,7 @@ def _score(
     assert reference.tokenizer is not None  # checked by ``unscorable``
     ids = corpus.first_tokens(text, reference.tokenizer, tokens)  # (tokens,): exactly, or raises
     note(f"scoring the original on {ids.numel()} tokens of {text}")
-    base = window_losses(_scorer(reference.model), ids, CONTEXT, STRIDE)
+    base = window_losses(logits_fn(reference.model), ids, CONTEXT, STRIDE)
     del reference
     out = {}
     for fmt in formats:
@@ -202,7 +202,7 @@ def _loaded_scorer(model: str, fmt: str) -> Callable[[torch.Tensor], torch.Tenso
     dtype, in_format = load_options(request)
     planned = load_model(model, dtype, packed=False, with_tokenizer=False, on_block=in_format)
     prepare(planned, request)
-    return _scorer(planned.model)
+    return logits_fn(planned.model)
 
 
 def checkpoint_key(model: str) -> str:
