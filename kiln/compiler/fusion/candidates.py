@@ -1,10 +1,12 @@
 """Candidate kernels: template-legal, convex, connected sets of primitive nodes.
 
 A ``Candidate`` is a set of IR nodes plus the codegen template that runs it
-(``pointwise``, ``reduction``, ``gemm``, ``conv``, ``dwconv``, ``dconv`` or ``single``; the rules
-are in ``legal_template``). A node set may have two templates (a depthwise conv with a
-bias and a ReLU runs natively as ``dwconv`` or through oneDNN as ``conv``): each is a
-candidate of its own, and the cost model picks. ``out(k)`` are the values it must store (graph outputs
+(``pointwise``, ``reduction``, ``gemm``, ``conv``, ``dwconv``, ``dconv``, ``wconv`` or
+``single``; the rules are in ``legal_template``). A node set may have several templates (a
+depthwise conv with a bias and a ReLU runs natively as ``dwconv`` or through oneDNN as
+``conv``; a 3x3 channels-last conv directly as ``dconv``, by Winograd's algorithm as
+``wconv`` on targets that have it, or through oneDNN): each is a candidate of its own,
+and the cost model picks. ``out(k)`` are the values it must store (graph outputs
 or values read outside the kernel, views included); ``in(k)`` are the storage
 roots it reads that it does not produce (constants excluded: always available).
 
@@ -34,12 +36,13 @@ from kiln.compiler.fusion.convs import (
     is_pointwise_conv,
     onednn_chained,
     onednn_post_ops_ok,
+    winograd_ok,
 )
 from kiln.compiler.ir.graph import LAYOUT_VIEWS, Graph, Node, OpClass
 
 log = logging.getLogger(__name__)
 
-TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "dwconv", "dconv", "single")
+TEMPLATES = ("pointwise", "reduction", "gemm", "conv", "dwconv", "dconv", "wconv", "single")
 BOOL_OPS = frozenset(
     {"eq", "ne", "lt", "le", "gt", "ge", "logical_and", "logical_or", "logical_not"}
 )
@@ -54,7 +57,8 @@ class FusionTarget:
     intermediates never stored) up to ``chain_width`` columns wide, and whether its
     chains run row block by row block (``chain_rows``, the CPU: each right operand a
     constant packed at compile time, each stage reading only its own values and the
-    previous stage's result); whether it has an ``attention`` template."""
+    previous stage's result); whether it has an ``attention`` template, and a ``wconv``
+    template (3x3 convs by Winograd's algorithm)."""
 
     name: str
     dtypes: tuple[torch.dtype, ...]
@@ -62,11 +66,12 @@ class FusionTarget:
     chain_width: int = CHAIN_MAX_WIDTH
     chain_rows: bool = False
     attention: bool = False
+    winograd: bool = False
 
 
 CPU_TARGET = FusionTarget(
     "cpu", (torch.float32, torch.bool), chains=True, chain_width=CPU_CHAIN_MAX_WIDTH,
-    chain_rows=True,
+    chain_rows=True, winograd=True,
 )  # fmt: skip
 GPU_TARGET = FusionTarget(
     "gpu", (torch.float32, torch.float16, torch.bfloat16, torch.bool), chains=True,
@@ -133,6 +138,10 @@ class TemplateRules:
         chained = onednn_chained(g) if target.name == "cpu" else None
         self.kind = [_node_kind(g, n, target.dtypes, chained) for n in index.nodes]
         self.shape = [g.meta(n.output).shape for n in index.nodes]
+        self.winograd = {  # dense convs the wconv template may run
+            i for i, k in enumerate(self.kind)
+            if k == "dc" and target.winograd and winograd_ok(g, index.nodes[i])
+        }  # fmt: skip
         self.blocked = 0  # nodes that never share a kernel
         self.heavy = 0  # mm/bmm/conv: at most one per kernel
         for i, k in enumerate(self.kind):
@@ -186,17 +195,22 @@ class TemplateRules:
 
     def templates(self, mask: int) -> list[str]:
         """Every template that may run this node set: a depthwise or 1x1 conv with oneDNN's
-        post-ops runs natively (``dwconv`` / ``gemm``) or as oneDNN's call (``conv``);
-        other sets have at most one."""
+        post-ops runs natively (``dwconv`` / ``gemm``) or as oneDNN's call (``conv``), a
+        dense channels-last one also by Winograd's algorithm (``wconv``, where
+        ``convs.winograd_ok``); other sets have at most one."""
         main = self._template(mask)
         heavy = self.heavy & mask
         if (
             main in ("dwconv", "gemm", "dconv")
             and self.ix.nodes[heavy.bit_length() - 1].op == "conv"
         ):
+            out = [main]
+            if main == "dconv" and heavy.bit_length() - 1 in self.winograd:
+                out.append("wconv")
             eps = list(members(mask & ~heavy))
             if onednn_post_ops_ok(self.ix, mask, heavy.bit_length() - 1, eps):
-                return [main, "conv"]
+                out.append("conv")
+            return out
         return [main] if main else []
 
     def _template(self, mask: int) -> str | None:

@@ -8,6 +8,8 @@
 * ``is_dense_nhwc_conv``: dense channels-last convs, the native ``dconv`` template's
   (a direct implicit GEMM, ``codegen/cpu/conv_nhwc.py``; zero or reflect padding);
   oneDNN runs the zero-padded ones too.
+* ``winograd_ok``: the 3x3 ones the native ``wconv`` template may run instead, by
+  Winograd's F(2x2, 3x3) (``codegen/cpu/conv_winograd.py``).
 * ``is_channels_last``: a conv on (N, *spatial, C) values (``capture/channels_last.py``),
   whose 1x1 form is a GEMM with the constant weight packed at compile time and whose
   depthwise form vectorises along channels.
@@ -29,6 +31,7 @@ import torch
 
 from kiln.compiler.fusion.aliases import GraphIndex
 from kiln.compiler.ir.graph import Graph, Node, ValueKind, conv_padding, conv_padding_mode
+from kiln.compiler.ir.layout import Access, access
 
 # Ops a oneDNN conv kernel may hold after its conv (bias add, relu, hardtanh).
 _POST_OPS = frozenset({"add", "relu", "maximum", "minimum"})
@@ -146,6 +149,39 @@ def is_dense_nhwc_conv(graph: Graph, node: Node) -> bool:
         and node.attrs["groups"] == 1
         and not is_pointwise_conv(graph, node)
         and all(graph.meta(v).dtype == torch.float32 for v in (*node.inputs, node.output))
+    )
+
+
+WINOGRAD_MIN_TILES = 25  # 2x2 output tiles of a batch, at least (a 10x10 image)
+WINOGRAD_MIN_CHANNELS = 32  # input and output channels, at least each
+
+
+def winograd_pays(
+    c_in: int, c_out: int, kernel: tuple[int, ...], stride: tuple[int, ...],
+    dilation: tuple[int, ...], out_hw: tuple[int, ...], batch: int,
+) -> bool:  # fmt: skip
+    """Whether Winograd's F(2x2, 3x3) (the ``wconv`` template, ``codegen/cpu/conv_winograd.py``)
+    may pay for a dense conv: 2-D, 3x3, stride 1, undilated, with enough channels and 2x2
+    output tiles that its 2.25x fewer multiplies can outweigh the transforms and the
+    larger transformed weight (below these, measured no faster than the direct kernel).
+    Where it is offered, the cost model (or a measurement) decides against ``dconv``."""
+    if tuple(kernel) != (3, 3) or any(s != 1 for s in stride) or any(d != 1 for d in dilation):
+        return False
+    tiles = batch * -(-out_hw[0] // 2) * -(-out_hw[1] // 2)
+    return min(c_in, c_out) >= WINOGRAD_MIN_CHANNELS and tiles >= WINOGRAD_MIN_TILES
+
+
+def winograd_ok(graph: Graph, node: Node) -> bool:
+    """A dense channels-last conv (``is_dense_nhwc_conv``) the ``wconv`` template may run:
+    ``winograd_pays`` for its shape, its input channels contiguous (read as vectors)."""
+    w, out = graph.meta(node.inputs[1]).shape, graph.meta(node.output).shape
+    if len(w) != 4 or not is_dense_nhwc_conv(graph, node):
+        return False
+    a, x = node.attrs, access(graph, node.inputs[0])
+    if isinstance(x, Access) and x.strides[-1] != 1:  # an NCHW image read in place
+        return False
+    return winograd_pays(
+        w[1], w[0], tuple(w[2:]), tuple(a["stride"]), tuple(a["dilation"]), out[1:3], out[0]
     )
 
 

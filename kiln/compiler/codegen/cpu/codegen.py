@@ -143,7 +143,7 @@ class _Gen:
             return emit_copy(src, self.out_operand(v), shape, self.threads)
         if k.template == "dwconv":
             return dwconv_kernel(self, k, nodes)
-        if k.template == "dconv":
+        if k.template in ("dconv", "wconv"):
             return conv_nhwc_kernel(self, k, nodes)
         if k.template == "gemm" and nodes[0].op == "conv":
             return pointconv_kernel(self, k, nodes)

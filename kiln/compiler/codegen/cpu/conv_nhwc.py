@@ -29,12 +29,13 @@ import torch
 
 from kiln.compiler.codegen.cpu.conv_narrow import emit_conv_narrow, is_narrow, pack_narrow
 from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, mirror, pixel_chunks
+from kiln.compiler.codegen.cpu.conv_winograd import emit_conv_winograd, pack_winograd
 from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_epilogue
 from kiln.compiler.codegen.cpu.dwconv_nhwc import (
     channel_blocks,
     epilogue,
 )
-from kiln.compiler.fusion.convs import is_dense_nhwc_conv, zero_padded
+from kiln.compiler.fusion.convs import is_dense_nhwc_conv, winograd_ok, zero_padded
 from kiln.compiler.fusion.program import Kernel
 from kiln.compiler.ir.graph import Node
 
@@ -246,7 +247,8 @@ def _stores(s: ConvNhwcSpec, npx: int, nb: int, tail: int | None, lanes: int) ->
 
 
 def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str]:
-    """Lower a ``dconv`` kernel: a dense channels-last conv, then its epilogue."""
+    """Lower a ``dconv`` kernel (a dense channels-last conv, then its epilogue), or a
+    ``wconv`` one (the same by Winograd's F(2x2, 3x3))."""
     g, conv = gen.g, nodes[0]
     if not is_dense_nhwc_conv(g, conv):
         raise ValueError("a dconv kernel must start with a dense channels-last conv")
@@ -257,14 +259,23 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
     w_name, b_name = conv.inputs[1], conv.inputs[2] if len(conv.inputs) > 2 else None
 
     narrow = is_narrow(x_shape[-1], out_shape[-1], lanes, x.strides[3])
+    a = conv.attrs
+    winograd = k.template == "wconv"
+    if winograd and (narrow or x.strides[3] != 1 or not winograd_ok(g, conv)):
+        raise ValueError("a wconv kernel must be a conv fusion.convs.winograd_ok accepts")
+    form, pack = (
+        ("conv_narrow", pack_narrow)
+        if narrow
+        else ("conv_winograd", pack_winograd)
+        if winograd
+        else ("conv_nhwc", pack_weights)
+    )
 
     def packed() -> torch.Tensor:
         w = g.constants[w_name]
         bias = g.constants[b_name] if b_name is not None else None
-        pack = pack_narrow if narrow else pack_weights
         return pack(w if w.dim() == 4 else w.unsqueeze(2), bias, lanes)
 
-    a = conv.attrs
     spec = ConvNhwcSpec(
         batch=out_shape[0],
         c_in=x_shape[-1],
@@ -276,12 +287,12 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
         padding=as_2d(a["padding"], 0),
         dilation=as_2d(a["dilation"], 1),
         x=x,
-        weights=gen.prepared_param(
-            ("conv_narrow" if narrow else "conv_nhwc", w_name, b_name, lanes), packed
-        ),
+        weights=gen.prepared_param((form, w_name, b_name, lanes), packed),
         epi=nhwc_epilogue(gen, k, nodes),
         reflect=not zero_padded(conv),
     )
     if narrow:  # few output channels: vectorised along the input channels
         return emit_conv_narrow(spec, lanes, gen.threads)
+    if winograd:
+        return emit_conv_winograd(spec, lanes, gen.threads)
     return emit_conv_nhwc(spec, lanes, gen.threads)

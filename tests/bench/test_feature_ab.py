@@ -1,0 +1,49 @@
+"""The feature on/off A/B really compiles two different programs and reports both."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import kiln
+from kiln.bench import feature_ab
+from kiln.compiler import api
+
+
+def _mlp() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(),
+                          nn.Linear(32, 8))  # fmt: skip
+    return model.eval(), (torch.randn(64, 16),)
+
+
+def _convs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    model = nn.Sequential(nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(32, 32, 3, padding=1), nn.ReLU())  # fmt: skip
+    return model.eval(), (torch.randn(1, 16, 24, 24),)
+
+
+@pytest.mark.parametrize(("feature", "make"), [("chains", _mlp), ("winograd", _convs)])
+def test_feature_ab_compares_programs_with_and_without(feature: str, make: object) -> None:
+    torch.manual_seed(0)
+    model, inputs = make()  # type: ignore[operator]
+    row = {"model": "m", **feature_ab.compare(model, inputs, feature, rounds=1)}
+    assert row["feature_kernels"] >= 1, row  # the feature's kernels are chosen when on ...
+    assert row["kernels_on"] <= row["kernels_off"]
+    assert len(row["on_ms"]) == len(row["off_ms"]) == 1
+    assert row["ratio_median"] == row["off_median_ms"] / row["on_median_ms"]
+    result = {"date": "d", "feature": feature, "cpu": {"name": "cpu", "avx512f": False},
+              "threads": 2, "rounds": 1, "fitted_rates": False, "models": [row]}  # fmt: skip
+    assert "| m |" in feature_ab.markdown(result)
+
+
+def test_withheld_feature_is_not_chosen() -> None:
+    """... and never when withheld (the 'off' program of the A/B)."""
+    model, inputs = _convs()
+    target = api.CPU_TARGET
+    api.CPU_TARGET = feature_ab.without(target, "winograd")
+    try:
+        off = kiln.compile(model, inputs)
+    finally:
+        api.CPU_TARGET = target
+    assert not any(k.template == "wconv" for k in off.report.kernels)
