@@ -28,7 +28,13 @@ from collections.abc import Callable
 import torch
 
 from kiln.compiler.codegen.cpu.conv_narrow import emit_conv_narrow, is_narrow, pack_narrow
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, interior, mirror, pixel_chunks
+from kiln.compiler.codegen.cpu.conv_spec import (
+    ConvNhwcSpec,
+    interior,
+    mirror,
+    pixel_chunks,
+    with_bias,
+)
 from kiln.compiler.codegen.cpu.conv_winograd import emit_conv_winograd, pack_winograd
 from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_epilogue
 from kiln.compiler.codegen.cpu.dwconv_nhwc import (
@@ -59,10 +65,7 @@ def pack_weights(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torc
     padded = torch.zeros(rows.shape[0], blocks * pw)
     padded[:, :c_out] = rows
     panels = padded.reshape(-1, blocks, pw).permute(1, 0, 2).reshape(-1)
-    b = torch.zeros(blocks * pw)
-    if bias is not None:
-        b[:c_out] = bias.float().reshape(-1)
-    return torch.cat([panels, b]).contiguous()
+    return with_bias(panels, bias, blocks * pw)
 
 
 def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kiln.compiler.codegen.cpu.dwconv_nhwc import NhwcEpilogue
 from kiln.compiler.codegen.cpu.emit import Operand
 
@@ -30,6 +32,15 @@ class ConvNhwcSpec:
     weights: str  # C++ pointer to the packed weight, then the biases
     epi: NhwcEpilogue
     reflect: bool = False  # the padding mirrors the border (F.pad's "reflect"), not zeros
+
+
+def with_bias(panels: torch.Tensor, bias: torch.Tensor | None, padded_out: int) -> torch.Tensor:
+    """Packed weight panels (flat), then the bias zero padded to ``padded_out`` channels
+    (zeros without one): the layout the conv kernels read ``bias`` from."""
+    b = torch.zeros(padded_out)
+    if bias is not None:
+        b[: bias.numel()] = bias.float().reshape(-1)
+    return torch.cat([panels.reshape(-1).float(), b]).contiguous()
 
 
 def pixel_chunks(pixels: int, px: int, tasks: int, threads: int) -> int:

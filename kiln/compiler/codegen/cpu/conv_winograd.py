@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, mirror
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, mirror, with_bias
 from kiln.compiler.codegen.cpu.dwconv_nhwc import channel_blocks, epilogue
 
 SCRATCH_SLOTS = (6, 7)  # kgen::scratch slots of V and M (row kernels 0, gemm 1-2, ...)
@@ -90,10 +90,7 @@ def pack_winograd(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> tor
     padded = torch.zeros(16, c_in, blocks * pw, dtype=torch.float64)
     padded[..., :c_out] = u
     panels = padded.reshape(16, c_in, blocks, pw).permute(2, 0, 1, 3).reshape(-1).float()
-    b = torch.zeros(blocks * pw)
-    if bias is not None:
-        b[:c_out] = bias.float().reshape(-1)
-    return torch.cat([panels, b]).contiguous()
+    return with_bias(panels, bias, blocks * pw)
 
 
 def emit_conv_winograd(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
