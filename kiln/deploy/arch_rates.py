@@ -146,11 +146,11 @@ def _probes(models: list[Transformer], fmt: str, tp: int, fast: bool) -> Iterato
         batch, tokens = prefill_shape(rows)
         decs = [choose_decoder(m, request, batch, tokens + 4)[0] for m in models]
         flops = [prefill_flops(rows, *matmul_params(m.cfg)) for m in models]
-        timers: list[Callable[[], float]] = [partial(_prefill_once, d, rows) for d in decs]
+        timers: list[Callable[[], float]] = [partial(prefill_once, d, rows) for d in decs]
         yield shard_engine("prefill", tp, fmt), rows, flops, timers
 
 
-def _prefill_once(decoder: Decoder, rows: int) -> float:
+def prefill_once(decoder: Decoder, rows: int) -> float:
     """Seconds of one prefill of ``rows`` rows (``prefill_shape``) by ``decoder``."""
     prompt = torch.zeros(*prefill_shape(rows), dtype=torch.long)
     t0 = time.perf_counter()
@@ -158,7 +158,7 @@ def _prefill_once(decoder: Decoder, rows: int) -> float:
     return time.perf_counter() - t0
 
 
-def _build(shape: ModelConfig, fmt: str) -> Transformer:
+def build_in_format(shape: ModelConfig, fmt: str) -> Transformer:
     """A random-weight model of ``shape`` stored in ``fmt`` (as a plan's load stores it)."""
     from kiln.deploy.weights import store_in_format
     from kiln.models.transformer import Transformer
@@ -195,7 +195,7 @@ def measure_arch_rates(
                 counts = probe_layers(cfg)
                 shapes = [probe_config(cfg, layers, tp) for layers in counts]
                 try:
-                    models = [_build(shape, fmt) for shape in shapes]
+                    models = [build_in_format(shape, fmt) for shape in shapes]
                 except ValueError as err:  # a format this shape cannot take (its group size)
                     note(f"{fmt}: not timed on this model's blocks ({err})")
                     break
