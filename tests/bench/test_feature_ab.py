@@ -23,12 +23,21 @@ def _convs() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return model.eval(), (torch.randn(1, 16, 24, 24),)
 
 
-@pytest.mark.parametrize(("feature", "make"), [("chains", _mlp), ("winograd", _convs)])
-def test_feature_ab_compares_programs_with_and_without(feature: str, make: object) -> None:
+@pytest.mark.parametrize(
+    ("feature", "make", "always"), [("chains", _mlp, False), ("winograd", _convs, True)]
+)
+def test_feature_ab_compares_programs_with_and_without(
+    feature: str, make: object, always: bool
+) -> None:
+    """A 32-channel 3x3 conv over 24x24 pixels is priced about 1.6x cheaper by Winograd on
+    any profile (both templates at the same efficiency), so it is always chosen; whether a
+    small MLP's chain pays depends on the host's fitted rates (none on a fresh machine),
+    so either its chains are chosen or the two programs are the same."""
     torch.manual_seed(0)
     model, inputs = make()  # type: ignore[operator]
     row = {"model": "m", **feature_ab.compare(model, inputs, feature, rounds=1)}
-    assert row["feature_kernels"] >= 1, row  # the feature's kernels are chosen when on ...
+    chosen = row["feature_kernels"] >= 1
+    assert chosen if always else chosen or row["kernels_on"] == row["kernels_off"], row
     assert row["kernels_on"] <= row["kernels_off"]
     assert len(row["on_ms"]) == len(row["off_ms"]) == 1
     assert row["ratio_median"] == row["off_median_ms"] / row["on_median_ms"]
