@@ -34,18 +34,20 @@ from kiln.compiler import api
 from kiln.compiler.fusion.candidates import FusionTarget
 from kiln.core.calibrate import load_profile
 
-FEATURES = {  # feature -> (its kernels' template, default models)
+Withhold = Callable[[FusionTarget], FusionTarget]
+FEATURES: dict[str, tuple[str, tuple[str, ...], Withhold]] = {
+    # feature -> (its kernels' template, default models, the target without it)
     "chains": ("chain", ("nerf_mlp", "tcnn_mlp", "dlrm", "bert_small", "vit_tiny", "conformer",
-                         "speech_encoder", "swiglu_tower")),
-    "winograd": ("wconv", ("resnet18", "style_transfer", "unet")),
+                         "speech_encoder", "swiglu_tower"),
+               lambda t: dataclasses.replace(t, chains=False)),
+    "winograd": ("wconv", ("resnet18", "style_transfer", "unet"),
+                 lambda t: dataclasses.replace(t, winograd=False)),
 }  # fmt: skip
 
 
 def without(target: FusionTarget, feature: str) -> FusionTarget:
     """``target`` with ``feature``'s kernels withheld from the candidates."""
-    if feature == "chains":
-        return dataclasses.replace(target, chains=False)
-    return dataclasses.replace(target, winograd=False)
+    return FEATURES[feature][2](target)
 
 
 ROUND_MS = 150.0
@@ -69,7 +71,7 @@ def compare(
     model: torch.nn.Module, inputs: tuple[torch.Tensor, ...], feature: str, rounds: int
 ) -> dict[str, Any]:
     """``model`` compiled with and without ``feature``, timed in alternating rounds."""
-    template, _ = FEATURES[feature]
+    template = FEATURES[feature][0]
     on = kiln.compile(model, inputs)
     target = api.CPU_TARGET
     api.CPU_TARGET = without(target, feature)
@@ -129,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cpu = system.cpu_info()
-    rows, (template, defaults) = [], FEATURES[args.feature]
+    rows, (template, defaults, _) = [], FEATURES[args.feature]
     names = args.models.split(",") if args.models else defaults
     for name in [m.strip() for m in names if m.strip()]:
         rows.append(measure(name, args.feature, args.rounds))

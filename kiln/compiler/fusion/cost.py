@@ -97,7 +97,7 @@ DCONV_EFFICIENCY = 1.0
 # ... but on images of few pixels (ResNet-18's 4x4 stage, 512 channels) each pass over the
 # weights serves few pixels: 0.7x oneDNN's rate measured at 16 pixels.
 DCONV_FEW_PIXELS, DCONV_FEW_PIXELS_EFFICIENCY = 24, 0.6
-# A 3x3 conv the dconv template runs by Winograd's F(2x2, 3x3) (codegen/cpu/conv_winograd.py)
+# A 3x3 conv the wconv template runs by Winograd's F(2x2, 3x3) (codegen/cpu/conv_winograd.py)
 # is priced by the vector work it does: 16 multiplies per 2x2 tile and channel pair, and
 # per tile and channel the input transform (16 loads, 32 additions, 16 stores) and the
 # output transform (16 loads, 24 additions); at this share of the direct kernel's rate.

@@ -32,6 +32,7 @@ from kiln.compiler.codegen.cpu.conv_spec import (
     ConvNhwcSpec,
     interior,
     mirror,
+    panel_width,
     pixel_chunks,
     with_bias,
 )
@@ -40,6 +41,7 @@ from kiln.compiler.codegen.cpu.dwconv import KernelState, as_2d, nhwc_4d, nhwc_e
 from kiln.compiler.codegen.cpu.dwconv_nhwc import (
     channel_blocks,
     epilogue,
+    vector_tail,
 )
 from kiln.compiler.fusion.convs import is_dense_nhwc_conv, winograd_ok, zero_padded
 from kiln.compiler.fusion.program import Kernel
@@ -47,11 +49,6 @@ from kiln.compiler.ir.graph import Node
 
 MIN_TASK_FMAS = 1 << 12  # vector FMAs a parallel chunk holds at least
 PREFETCH_ROWS = 16  # weight rows (K steps) fetched ahead
-
-
-def panel_width(c_out: int, lanes: int) -> int:
-    """Output channels per block (a whole number of vectors, at most two)."""
-    return channel_blocks(c_out, lanes, 2)[1] * lanes
 
 
 def pack_weights(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> torch.Tensor:
@@ -73,8 +70,7 @@ def emit_conv_nhwc(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     oh_n, ow_n = s.out_hw
     kh, kw = s.kernel
     blocks, per, last = channel_blocks(s.c_out, lanes, 2)
-    tail = s.c_out - (-(-s.c_out // lanes) - 1) * lanes
-    tail_n = None if tail == lanes else tail
+    tail_n = vector_tail(s.c_out, lanes)
     granule = ow_n  # tasks hold whole output rows (``_pixels`` runs row by row)
     pixels = oh_n * ow_n
     chunk = pixel_chunks(pixels, granule, s.batch * blocks, threads)
@@ -264,7 +260,7 @@ def conv_nhwc_kernel(gen: KernelState, k: Kernel, nodes: list[Node]) -> list[str
     narrow = is_narrow(x_shape[-1], out_shape[-1], lanes, x.strides[3])
     a = conv.attrs
     winograd = k.template == "wconv"
-    if winograd and (narrow or x.strides[3] != 1 or not winograd_ok(g, conv)):
+    if winograd and not winograd_ok(g, conv):
         raise ValueError("a wconv kernel must be a conv fusion.convs.winograd_ok accepts")
     form, pack = (
         ("conv_narrow", pack_narrow)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.compiler.codegen.cpu.dwconv_nhwc import NhwcEpilogue
+from kiln.compiler.codegen.cpu.dwconv_nhwc import NhwcEpilogue, channel_blocks
 from kiln.compiler.codegen.cpu.emit import Operand
 
 TASK_PIXELS = 48  # output pixels a task holds at least (each task streams its weights)
@@ -32,6 +32,11 @@ class ConvNhwcSpec:
     weights: str  # C++ pointer to the packed weight, then the biases
     epi: NhwcEpilogue
     reflect: bool = False  # the padding mirrors the border (F.pad's "reflect"), not zeros
+
+
+def panel_width(c_out: int, lanes: int) -> int:
+    """Output channels per block (a whole number of vectors, at most two)."""
+    return channel_blocks(c_out, lanes, 2)[1] * lanes
 
 
 def with_bias(panels: torch.Tensor, bias: torch.Tensor | None, padded_out: int) -> torch.Tensor:

@@ -28,8 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, mirror, with_bias
-from kiln.compiler.codegen.cpu.dwconv_nhwc import channel_blocks, epilogue
+from kiln.compiler.codegen.cpu.conv_spec import ConvNhwcSpec, mirror, panel_width, with_bias
+from kiln.compiler.codegen.cpu.dwconv_nhwc import channel_blocks, epilogue, vector_tail
 
 SCRATCH_SLOTS = (6, 7)  # kgen::scratch slots of V and M (row kernels 0, gemm 1-2, ...)
 SCRATCH_FLOATS = 1 << 17  # V of a task at most (512 KB: within a core's L2)
@@ -86,8 +86,7 @@ def pack_winograd(w: torch.Tensor, bias: torch.Tensor | None, lanes: int) -> tor
     """w (C_out, C_in, 3, 3) [+ bias] -> flat panels (blocks, 16, C_in, PW) of ``G w G^T``,
     one per block of PW output channels (zero padded), then the bias (blocks * PW,)."""
     c_out, c_in = w.shape[:2]
-    _, per, _ = channel_blocks(c_out, lanes, 2)
-    pw = per * lanes
+    pw = panel_width(c_out, lanes)
     blocks = -(-c_out // pw)
     g = torch.tensor(_G, dtype=torch.float64)
     u = torch.einsum("ak,oikl,bl->abio", g, w.double(), g).reshape(16, c_in, c_out)
@@ -110,8 +109,7 @@ def emit_conv_winograd(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     tb = -(-tiles // tblocks)
     vs, ms = skewed(tb * cp), skewed(tb * pw)  # floats between positions e, e + 1
     per_group = blocks // groups
-    tail = s.c_out - (-(-s.c_out // lanes) - 1) * lanes
-    tail_n = None if tail == lanes else tail
+    tail_n = vector_tail(s.c_out, lanes)
     v_slot, m_slot = SCRATCH_SLOTS
     L = [
         f'static_assert(kv::W == {lanes}, "conv_winograd emitted for another vector width");',
@@ -129,8 +127,7 @@ def emit_conv_winograd(s: ConvNhwcSpec, lanes: int, threads: int) -> list[str]:
     L += ["      " + x for x in _input_transform(s, lanes, vs, cp, th, tw)]
     L += [
         "    }",
-        f"    const int64_t cb1 = std::min<int64_t>({blocks}, (grp + 1) * {per_group});",
-        f"    for (int64_t cb = grp * {per_group}; cb < cb1; ++cb) {{",
+        f"    for (int64_t cb = grp * {per_group}; cb < (grp + 1) * {per_group}; ++cb) {{",
         f"      const int64_t c0 = cb * {pw};",
         "      for (int64_t e = 0; e < 16; ++e) {",
         f"        const float* u = ut + (cb * 16 + e) * {s.c_in * pw};",

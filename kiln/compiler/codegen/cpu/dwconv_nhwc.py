@@ -82,6 +82,12 @@ def channel_blocks(channels: int, lanes: int, max_vectors: int) -> tuple[int, in
     return blocks, per, vecs - (blocks - 1) * per
 
 
+def vector_tail(channels: int, lanes: int) -> int | None:
+    """Valid lanes of the last vector of ``channels`` (None: a whole vector)."""
+    tail = channels - (-(-channels // lanes) - 1) * lanes
+    return None if tail == lanes else tail
+
+
 def interior(s: DwNhwcSpec) -> tuple[int, int]:
     """Output columns [lo, hi) whose whole window lies inside the input row."""
     (_, iw), (_, ow) = s.in_hw, s.out_hw
@@ -98,8 +104,7 @@ def emit_dwconv_nhwc(s: DwNhwcSpec, lanes: int, threads: int) -> list[str]:
     kh, kw = s.kernel
     max_vectors = 4 if lanes == 16 else 2
     blocks, per, last = channel_blocks(s.channels, lanes, max_vectors)
-    tail = s.channels - (-(-s.channels // lanes) - 1) * lanes
-    tail_n = None if tail == lanes else tail
+    tail_n = vector_tail(s.channels, lanes)
     tasks = s.batch * oh_n * blocks
     task_fmas = ow_n * kh * kw * per
     grain = tasks if threads <= 1 else max(1, -(-MIN_TASK_FMAS // task_fmas))
