@@ -6,15 +6,20 @@ budget (killed with its whole process group when over it), so a hung or failed s
 leaves the other steps' files:
 
 1. ``env``: ``env.json`` -- ``nvidia-smi -q``, torch's CUDA device properties, versions;
-2. ``tests``: ``pytest -m gpu`` (the GPU-only tests, all of ``tests``) and ``pytest
-   tests/compiler``, with ``TRITON_INTERPRET`` unset; one merged ``junit.xml`` and the
-   pass / fail counts in ``tests.json``;
-3. ``suite``: ``kiln.bench.gpu_suite`` on a few models (``--models``), given its budget so it
-   stops starting models in time: ``gpu-suite-<device>-<date>.{json,md}``;
-4. ``mlp``: ``kiln.bench.gpu_mlp``: ``gpu-mlp-<device>-<date>.json``.
+2. ``plan``: ``kiln.bench.plan_accuracy --gpu``: the planner's one-GPU plans executed on
+   the device, predicted vs measured: ``plan-accuracy-gpu-<device>-<date>.json``;
+3. ``tests``: ``pytest -m gpu`` (the GPU-only tests, all of ``tests``), then every test of
+   the Triton code generator and kernels (``tests/compiler/codegen/gpu``,
+   ``tests/kernels/gpu``: on the CPU they run under the interpreter), natively, with
+   ``TRITON_INTERPRET`` unset; the pass / fail counts and the failed tests in ``tests.json``;
+4. ``suite``: ``kiln.bench.gpu_suite`` on a few models (``--models``), given its budget so it
+   stops starting models in time: ``gpu-suite-<device>-<date>.json``;
+5. ``mlp``: ``kiln.bench.gpu_mlp``: ``gpu-mlp-<device>-<date>.json``.
 
 ``summary.json`` (rewritten after every step: rc, seconds, timed out, headline figures) and
-``session.log`` (every step's output, also echoed to stdout) complete the 8 files.
+``session.log`` (every step's output, also echoed to stdout) complete the files: at most 8
+come back from such a machine, so the steps' markdown tables go into the log (each is
+made again from its JSON) and the junit XML stays behind.
 """
 
 from __future__ import annotations
@@ -34,9 +39,16 @@ from pathlib import Path
 from typing import IO, Any
 
 REPO = Path(__file__).resolve().parents[2]
-STEPS = ("env", "tests", "suite", "mlp")
+STEPS = ("env", "plan", "tests", "suite", "mlp")
 SUITE_MODELS = "tcnn_mlp,nerf_mlp,swiglu_tower,bert_small,resnet18"
-BUDGETS_S = {"env": 20, "tests_gpu": 120, "tests_compiler": 130, "suite": 190, "mlp": 100}
+BUDGETS_S = {
+    "env": 15,
+    "plan": 200,
+    "tests_gpu": 90,
+    "tests_compiler": 100,
+    "suite": 110,
+    "mlp": 40,
+}
 
 
 def child_env() -> dict[str, str]:
@@ -151,12 +163,13 @@ def merge_junit(parts: dict[str, Path], dest: Path) -> None:
 
 
 def run_tests(out: Path, budgets: dict[str, float], left: float, log: IO[str]) -> dict[str, Any]:
-    """The two pytest runs; ``junit.xml`` and ``tests.json`` under ``out``."""
+    """The two pytest runs; ``tests.json`` under ``out``."""
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="kiln-gpu-tests-") as tmp:
         parts = {"gpu": Path(tmp) / "gpu.xml", "compiler": Path(tmp) / "compiler.xml"}
+        # the Triton tests on eight workers: their compiles spread over the host's cores
         args = {"gpu": ["-m", "gpu", "tests", "--continue-on-collection-errors"],
-                "compiler": ["tests/compiler"]}  # fmt: skip
+                "compiler": ["tests/compiler/codegen/gpu", "tests/kernels/gpu", "-n", "8"]}  # fmt: skip
         t0 = time.monotonic()
         for label, extra in args.items():
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -167,7 +180,7 @@ def run_tests(out: Path, budgets: dict[str, float], left: float, log: IO[str]) -
                 runs[label].pop("tail", None)
             if parts[label].exists():
                 runs[label]["counts"] = junit_counts(parts[label])
-        merge_junit(parts, out / "junit.xml")
+        merge_junit(parts, Path(tmp) / "junit.xml")
     keys = ("tests", "passed", "failures", "errors", "skipped")
     totals = {k: sum(r.get("counts", {}).get(k, 0) for r in runs.values()) for k in keys}
     result = {"runs": runs, "totals": totals, "TRITON_INTERPRET": "unset"}
@@ -178,7 +191,8 @@ def run_tests(out: Path, budgets: dict[str, float], left: float, log: IO[str]) -
 def headline(out: Path) -> dict[str, Any]:
     """The figures a reader wants first, from the suite's and the MLP's JSON."""
     found: dict[str, Any] = {}
-    for key, pattern in (("suite", "gpu-suite-*.json"), ("mlp", "gpu-mlp-*.json")):
+    for key, pattern in (("suite", "gpu-suite-*.json"), ("mlp", "gpu-mlp-*.json"),
+                         ("plan", "plan-accuracy-gpu-*.json")):  # fmt: skip
         for path in sorted(out.glob(pattern))[-1:]:
             try:
                 r = json.loads(path.read_text())
@@ -191,6 +205,8 @@ def headline(out: Path) -> dict[str, Any]:
                               "models": list(r.get("models", {})),
                               "geomean_speedup_vs_eager": s.get("geomean_speedup_vs_eager"),
                               "geomean_kiln_vs_best_torch_compile": s.get("geomean_kiln_vs_best_torch_compile")}  # fmt: skip
+            elif key == "plan":
+                found[key] = {"file": path.name, "summary": r.get("summary")}
             else:
                 found[key] = {"file": path.name, "geomean_kiln_vs_cublas": r.get("geomean_kiln_vs_cublas"),
                               "all_targets_met": r.get("all_targets_met"),
@@ -236,9 +252,15 @@ def main(argv: list[str] | None = None) -> int:
                     cmd = [py, "-m", f"kiln.bench.gpu_{step}", "--out", str(out)]
                     if step == "suite":
                         cmd += ["--models", args.models, "--budget-s", str(max(budget - 25, 10))]
+                    if step == "plan":
+                        cmd = [py, "-m", "kiln.bench.plan_accuracy", "--gpu", "--rounds", "2",
+                               "--budget-s", str(max(budget - 40, 10)), "--out", str(out)]  # fmt: skip
                     summary["steps"][step] = run_step(step, cmd, budget, log)
             except Exception as e:  # noqa: BLE001 - one step's failure never stops the others
                 summary["steps"][step] = {"error": f"{type(e).__name__}: {e}"}
+            for table in out.glob("*.md"):  # into the log: the files that come back are few
+                log.write(f"\n===== {table.name}\n{table.read_text(encoding='utf-8')}")
+                table.unlink()
             summary.update(wall_s=round(time.monotonic() - t0, 1), headline=headline(out))
             summary["files"] = sorted({*(f.name for f in out.iterdir()), "summary.json"})
             summary["files_over_copy_limit"] = len(summary["files"]) > 8

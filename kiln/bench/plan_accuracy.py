@@ -16,13 +16,22 @@ plan exceeded its RAM limit (docs/benchmarks.md, "Large-model measurements").
 Each plan is also priced from the calibration's two shapes alone (``per_architecture``
 off: without timing the model's own blocks) against the same runs, the A/B of
 ``kiln.deploy.arch_rates``.
+
+``--gpu`` does the same for one-GPU plans on this machine's CUDA device (``GPU_PLANS``,
+planned for ``1x<its catalog name>``): the device's launch costs are calibrated first
+(``kiln calibrate``'s GPU profile, micro-benchmarks only: the plans' runs are not fitted),
+each plan loads straight onto the GPU and decodes with the CUDA-graph step, and its peak
+memory is the GPU's (``execute.peak_device_bytes``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import re
 import statistics
+import subprocess
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -82,7 +91,24 @@ PLANS = (
     PlanSpec("smollm2", "mixed@5%", 1), PlanSpec("smollm2", "mixed@5%", 4),
     PlanSpec("smollm2", "mixed@5%", 1, tp=2),
 )  # fmt: skip
+# One GPU: the two published architectures, bf16 and kiln's Triton INT8 / INT4 kernels.
+GPU_PLANS = (
+    PlanSpec("qwen2-0.5b", "bf16", 1), PlanSpec("qwen2-0.5b", "bf16", 4),
+    PlanSpec("qwen2-0.5b", "int8", 1), PlanSpec("qwen2-1.5b", "bf16", 1),
+    PlanSpec("qwen2-1.5b", "bf16", 4), PlanSpec("qwen2-1.5b", "int8", 1),
+    PlanSpec("qwen2-1.5b", "int4-g128", 1),
+)  # fmt: skip
 MIX_FORMATS = ("int8", "int4-g128", "int4-g64", "int4-g32", MIXED)
+
+
+def on_this_gpu(plans: Sequence[PlanSpec]) -> list[PlanSpec]:
+    """``plans`` planned for one of this machine's CUDA device (its catalog entry)."""
+    import torch
+
+    from kiln.deploy.hardware import catalog_name
+
+    name = catalog_name(torch.cuda.get_device_name())
+    return [dataclasses.replace(p, hardware=f"1x{name}") for p in plans]
 
 
 def plan_format(p: PlanSpec, prompt_len: int, gen_len: int) -> str:
@@ -121,14 +147,21 @@ def predict(
     cand = evaluate(arch, hw, lay, Request(batch=p.batch, prompt_len=prompt_len,
                                            gen_len=gen_len), known)  # fmt: skip
     layout = {"tp": p.tp, "pp": p.pp, "batch": p.batch, "offload": p.offload,
-              "stage_layers": list(cand.estimate.stages), "format": fmt}  # fmt: skip
+              "stage_layers": list(cand.estimate.stages), "format": fmt,
+              "device": "cpu" if hw.device.kind == "cpu" else "cuda"}  # fmt: skip
     return cand, layout
 
 
-def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -> dict[str, Any]:
+def run(
+    plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int,
+    budget_s: float | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """Predict every plan, then execute all of them ``rounds`` times in turn (co-tenants on
     this shared host slow a run by up to ~30%, in bursts of minutes): each plan's fastest
-    decode and first token over the rounds, its largest peak, and the spread of its runs."""
+    decode and first token over the rounds, its largest peak, and the spread of its runs.
+    A plan whose execution fails is reported with its error (and not run again); past
+    ``budget_s`` no further execution starts (the rounds done so far count)."""
+    t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
     runs: list[tuple[str, dict[str, Any], str, list[Measured]]] = []
     for p in plans:
@@ -143,17 +176,32 @@ def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -
         })  # fmt: skip
     for r in range(rounds):
         for row, (path, layout, fmt, got) in zip(rows, runs, strict=True):
-            got.append(measure(path, layout, fmt, prompt_len, gen_len))
+            if "failed" in row:
+                continue
+            if budget_s is not None and time.monotonic() - t0 > budget_s:
+                row.setdefault("rounds_skipped", 0)
+                row["rounds_skipped"] += 1
+                continue
+            try:
+                got.append(measure(path, layout, fmt, prompt_len, gen_len))
+            except (RuntimeError, ValueError, OSError, subprocess.SubprocessError) as err:
+                row["failed"] = f"{type(err).__name__}: {str(err)[-1500:]}"
+                print(f"round {r + 1}/{rounds} {row['plan']:48s} FAILED: {row['failed']}")
+                continue
             print(f"round {r + 1}/{rounds} {row['plan']:48s} ms/token {got[-1].ms_per_token:7.2f}"
-                  f"  ttft {got[-1].ttft_ms:7.1f}  peak {got[-1].peak_rss_bytes / 1e9:5.2f} GB",
+                  f"  ttft {got[-1].ttft_ms:7.1f}  peak {got[-1].peak_bytes / 1e9:5.2f} GB",
                   flush=True)  # fmt: skip
     for row, (_, _, _, got) in zip(rows, runs, strict=True):
+        if not got:
+            row.setdefault("failed", "not run: the time budget was spent")
+            continue
         ms = [g.ms_per_token for g in got]
         row["engine"] = got[0].engine
+        row["device"] = got[0].device_name
         row["measured"] = {"ms_per_token": min(ms), "ttft_ms": min(g.ttft_ms for g in got),
-                           "peak_bytes": max(g.peak_rss_bytes for g in got)}  # fmt: skip
+                           "peak_bytes": max(g.peak_bytes for g in got)}  # fmt: skip
         row["runs"] = [{"ms_per_token": g.ms_per_token, "ttft_ms": g.ttft_ms,
-                        "peak_bytes": g.peak_rss_bytes} for g in got]  # fmt: skip
+                        "peak_bytes": g.peak_bytes} for g in got]  # fmt: skip
         row["decode_spread"] = max(ms) / min(ms) - 1
     cpu = system.cpu_info()
     result = {"kind": "plan-accuracy", "date": time.strftime("%Y-%m-%d"), "cpu": cpu,
@@ -165,8 +213,9 @@ def run(plans: Sequence[PlanSpec], prompt_len: int, gen_len: int, rounds: int) -
 def score(result: dict[str, Any], plans: Sequence[PlanSpec]) -> dict[str, Any]:
     """Errors and summary of ``result``'s rows (one per plan of ``plans``, measured), and
     beside them the calibration-only prices of the same plans against the same runs."""
-    rows = result["rows"]
-    for p, row in zip(plans, rows, strict=True):
+    pairs = [(p, row) for p, row in zip(plans, result["rows"], strict=True) if "measured" in row]
+    rows = [row for _, row in pairs]
+    for p, row in pairs:
         row["error"] = {k: row["predicted"][k] / row["measured"][k] - 1 for k in row["measured"]}
         est = predict(p, result["prompt_len"], result["gen_len"], per_architecture=False)[0]
         base = {"ms_per_token": est.estimate.ms_per_token, "ttft_ms": est.estimate.ttft_ms}
@@ -185,19 +234,24 @@ def score(result: dict[str, Any], plans: Sequence[PlanSpec]) -> dict[str, Any]:
     summary["over_memory_limit"] = [
         r["plan"] for r in rows if r["measured"]["peak_bytes"] > r["memory_limit_bytes"]
     ]
+    summary["failed"] = {r["plan"]: r["failed"] for r in result["rows"] if "failed" in r}
     result["summary"] = summary
     return result
 
 
 def _spread(errors: list[float]) -> dict[str, float]:
+    if not errors:  # every plan failed: nothing to score
+        return {"median_abs_error": float("nan"), "max_abs_error": float("nan")}
     return {"median_abs_error": statistics.median(errors), "max_abs_error": max(errors)}
 
 
 def markdown(result: dict[str, Any]) -> str:
-    cpu = result["cpu"]
+    cpu, gpu = result["cpu"], result.get("gpu")
     rescored = result.get("rescored")
+    where = (f"{gpu['name']} (one GPU; launch costs {gpu['launch_costs']})" if gpu else
+             f"{cpu['name']} ({'AVX-512' if cpu['avx512f'] else 'AVX2'})")  # fmt: skip
     lines = [
-        f"Planner predictions vs execution, {cpu['name']} ({'AVX-512' if cpu['avx512f'] else 'AVX2'}), "
+        f"Planner predictions vs execution, {where}, "
         f"{result['date']}: prompt {result['prompt_len']}, {result['gen_len']} new tokens, greedy; "
         "each plan in its own process(es) (ranks: cores // ranks threads each); Qwen2 models "
         f"are their published configs with random weights. Every plan executed "
@@ -212,6 +266,9 @@ def markdown(result: dict[str, Any]) -> str:
         "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in result["rows"]:
+        if "measured" not in r:
+            lines.append(f"| {r['plan']} | failed: {r['failed'][:200]} | | | | | | | |")
+            continue
         p, m, e = r["predicted"], r["measured"], r["error"]
         lines.append(
             f"| {r['plan']} | {r['engine']} | {p['ms_per_token']:.2f} / {m['ms_per_token']:.2f} | "
@@ -249,13 +306,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=32)
     p.add_argument("--rounds", type=int, default=3, help="executions of every plan, in turn")
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help="start no execution after this many seconds (the rounds done count)",
+    )
+    p.add_argument("--gpu", action="store_true",
+                   help="one-GPU plans on this machine's CUDA device (GPU_PLANS)")  # fmt: skip
     p.add_argument("--out", default=str(RESULTS_DIR))
     p.add_argument("--rescore", default="", metavar="FILE",
                    help="price the plans of a result file again from this machine's "
                         "cached tables (no execution: the runs stay) and rewrite it")  # fmt: skip
     args = p.parse_args(argv)
     keep = {m for m in args.only.split(",") if m}
-    plans = [p for p in PLANS if not keep or p.model in keep]
+    plans = [p for p in (GPU_PLANS if args.gpu else PLANS) if not keep or p.model in keep]
+    if args.gpu:
+        return run_gpu(plans, args)
     if args.rescore:
         path = Path(args.rescore)
         result = json.loads(path.read_text(encoding="utf-8"))
@@ -270,9 +337,31 @@ def main(argv: list[str] | None = None) -> int:
         system.write_result(result, str(path.parent), path.name, markdown(result))
         print(markdown(result))
         return 0
-    result = run(plans, args.prompt_len, args.gen_len, args.rounds)
+    result = run(plans, args.prompt_len, args.gen_len, args.rounds, args.budget_s)
     system.publish(result, args.out, f"plan-accuracy-{system.device_slug(result['cpu'])}",
                    markdown(result))  # fmt: skip
+    return 0
+
+
+def run_gpu(plans: Sequence[PlanSpec], args: argparse.Namespace) -> int:
+    """``--gpu``: calibrate the device's launch costs, then run ``plans`` on it."""
+    import torch
+
+    from kiln.core.gpu_profile import calibrate_gpu_profile
+    from kiln.deploy.gpu_launches import launch_costs
+    from kiln.deploy.hardware import parse_hardware
+
+    if not torch.cuda.is_available():
+        raise SystemExit("--gpu needs a CUDA device")
+    profile = calibrate_gpu_profile()
+    plans = on_this_gpu(plans)
+    costs = launch_costs(parse_hardware(plans[0].spec).device)
+    result = run(plans, args.prompt_len, args.gen_len, args.rounds, args.budget_s)
+    result["gpu"] = {"name": torch.cuda.get_device_name(), "profile": json.loads(profile.to_json()),
+                     "launch_costs": f"{costs.graph_us:.2f} us a graph node, {costs.launch_us:.2f} "
+                                     f"us a launch, {costs.source}"}  # fmt: skip
+    slug = re.sub(r"[^a-z0-9]+", "-", result["gpu"]["name"].lower()).strip("-")
+    system.publish(result, args.out, f"plan-accuracy-gpu-{slug}", markdown(result))
     return 0
 
 

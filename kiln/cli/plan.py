@@ -28,7 +28,7 @@ def plan(
     no_offload: Annotated[bool, typer.Option("--no-offload", help="never offload weights")] = False,
     out: Annotated[str, typer.Option(help="write the plan (JSON) here")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print the plan as one JSON object")] = False,
-    verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans): speed, memory, and perplexity on held-out text")] = False,
+    verify: Annotated[bool, typer.Option("--verify", help="execute the plan here and compare (CPU plans; one-GPU plans on this machine's GPU): speed, memory, and perplexity on held-out text")] = False,
     verify_tokens: Annotated[int, typer.Option(help="tokens of the confirmation text --verify scores")] = 4096,
     emit: Annotated[str, typer.Option(help="also print the launch for torchrun or vllm")] = "",
     plot: Annotated[str, typer.Option(help="write the latency / cost picture (PNG) here; default: beside --out")] = "",

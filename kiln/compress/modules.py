@@ -57,7 +57,8 @@ class CompressedLinear(nn.Module):
 
     ``compute_dtype`` (float32 when built) is the dtype the layer computes in where its
     kernel allows: the dense formats (2:4, low rank) cast their weights to it, the INT8 /
-    INT4 kernels take float32 activations whatever it is. Floating-point casts of the
+    INT4 kernels take float32 activations whatever it is on a CPU, and activations of it
+    on a GPU (the Triton kernels). Floating-point casts of the
     module set it; the buffers, the bias included (an fp32 buffer of the format), keep
     their dtypes.
     """
@@ -211,7 +212,8 @@ class Int8Linear(CompressedLinear):
         return self._sliced(Int8Linear(q, self.scale.clone(), self._bias_all()))
 
     def _kernel_dtype(self) -> torch.dtype:
-        return torch.float32  # kiln's INT8 kernels take float32 activations
+        # kiln's CPU INT8 kernels take float32 activations; its Triton ones any float dtype
+        return self.compute_dtype if self.qweight.is_cuda else torch.float32
 
     def _build_kernel(self) -> Kernel:
         return int8_weight_only(self.qweight, self.scale)
@@ -269,7 +271,8 @@ class Int4Linear(CompressedLinear):
         ))  # fmt: skip
 
     def _kernel_dtype(self) -> torch.dtype:
-        return torch.float32  # kiln's INT4 kernels take float32 activations
+        # kiln's CPU INT4 kernels take float32 activations; its Triton ones any float dtype
+        return self.compute_dtype if self.packed.is_cuda else torch.float32
 
     def _build_kernel(self) -> Kernel:
         return int4_weight_only(self.packed, self.scale, self.offset, self.group_size)

@@ -114,6 +114,12 @@ class GpuProfile:
         return GpuProfile(**d)
 
 
+# Planning estimates (host and driver dependent, measured by calibrate_gpu_profile): a small
+# kernel's node in a replayed CUDA graph, and a PyTorch / Triton launch from Python.
+PLANNING_GRAPH_LAUNCH_US = 2.0
+PLANNING_LAUNCH_US = 6.0
+
+
 def _gpu(name: str, sms: int, gib: int, cc: tuple[int, int], fp32: float, tc16: float,
          tf32: float, bw: float, l2_mib: int, bw_eff: float, eff: tuple[float, float, float],
          ) -> GpuProfile:  # fmt: skip
@@ -136,10 +142,8 @@ def _gpu(name: str, sms: int, gib: int, cc: tuple[int, int], fp32: float, tc16: 
         smem_per_block=(smem_kb - 1) * KIB,
         max_threads_per_sm=threads,
         max_blocks_per_sm=blocks,
-        # Planning estimates (host/driver dependent, measured by calibrate_gpu_profile): a
-        # small kernel node in a replayed CUDA graph, and a PyTorch/Triton launch from Python.
-        graph_launch_us=2.0,
-        launch_us=6.0,
+        graph_launch_us=PLANNING_GRAPH_LAUNCH_US,
+        launch_us=PLANNING_LAUNCH_US,
         bandwidth_efficiency=bw_eff,
         gemm_efficiency=dict(zip(GPU_GEMM_CLASSES, eff, strict=True)),
     )
@@ -184,8 +188,8 @@ def gpu_profile(name: str) -> GpuProfile:
     raise KeyError(f"no GPU profile {name!r}; built-in: {', '.join(GPU_PROFILES)}")
 
 
-def _family(name: str) -> str:
-    """'h100', 'a100', 'l4', ... from a device or profile name."""
+def family(name: str) -> str:
+    """'h100', 'a100', 'l4', ... from a device or profile name ("NVIDIA H200" -> 'h200')."""
     m = re.search(r"\b([a-z]+\d+)", name.lower().removeprefix("nvidia").strip())
     return m.group(1) if m else ""
 
@@ -202,7 +206,7 @@ def nearest_gpu_profile(
     """The built-in closest to a device: same family name if any (else same compute
     capability, else all), then nearest SM count, then nearest memory size; a "PCIe" in
     the name prefers PCIe variants."""
-    pool = [p for p in GPU_PROFILES.values() if _family(p.name) == _family(name)]
+    pool = [p for p in GPU_PROFILES.values() if family(p.name) == family(name)]
     pool = pool or [p for p in GPU_PROFILES.values() if p.compute_capability == capability]
     pool = pool or list(GPU_PROFILES.values())
     pcie = "pcie" in name.lower()

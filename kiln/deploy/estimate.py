@@ -12,7 +12,9 @@ activations, a dequantization workspace for packed formats, a fixed runtime rese
 device and a fragmentation margin. Time is a roofline per layer (the larger of bytes over
 bandwidth and FLOPs over peak, each at a stated efficiency), plus two all-reduces per layer
 under tensor parallelism, stage-to-stage transfers under pipeline parallelism, and the
-transfer of offloaded weights, overlapped with compute.
+transfer of offloaded weights, overlapped with compute; on a GPU, plus every kernel's fixed
+cost (``gpu_launches``). A CPU plan is priced with this machine's measured engines instead
+(``estimate_cpu``).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kiln.deploy import estimate_cpu, mixed
+from kiln.deploy import estimate_cpu, gpu_launches, mixed
 from kiln.deploy.architecture import Architecture
 from kiln.deploy.hardware import Hardware
 from kiln.deploy.kernel_rates import Rates
@@ -221,6 +223,10 @@ def estimate(
         ms = _decode_ms(arch, hw, layout, layer_w, head_read, stages, kv_per_layer, offloaded)
     if ttft is None:
         ttft = _prefill_ms(arch, hw, layout, total_w)
+    if kind == "gpu":  # hundreds of kernels a step, each with a fixed cost (gpu_launches)
+        counts, costs = gpu_launches.kernel_counts(arch), gpu_launches.launch_costs(dev)
+        ms = gpu_launches.step_ms(ms, counts.decode, costs)
+        ttft = gpu_launches.prefill_ms(ttft, counts.prefill, costs)
     return Estimate(
         layout, total_w, device_w, offloaded, kv_device, int(act), peak_device, peak_host,
         ms, ttft, capacity, tuple(stages),

@@ -1,4 +1,4 @@
-"""Execute a plan on this CPU and measure it: the check behind ``kiln plan --verify``.
+"""Execute a plan on this machine and measure it: the check behind ``kiln plan --verify``.
 
 ``run_layout`` loads the checkpoint as ``kiln run`` loads a plan — block by block, each
 block stored in the plan's format as it is read (kiln's INT8 / INT4 kernels, bf16, or
@@ -10,6 +10,11 @@ A plan of ``tp x pp`` ranks is launched as ``kiln run`` launches it (``kiln.para
 process per rank, gloo), each rank timed as one process is; its peak memory is the sum of
 every rank's high-water mark and the launcher's (an upper bound of the moment they peak
 together). Offloaded plans run in one process.
+
+A GPU plan (``layout["device"]`` "cuda": one device, every weight in its memory) loads
+straight onto the GPU and decodes with the CUDA-graph step; its peak memory is the GPU's:
+the caching allocator's high-water mark plus what lives outside the allocator (the CUDA
+context, library workspaces), read from the device.
 """
 
 from __future__ import annotations
@@ -35,6 +40,13 @@ class Measured:
     tokens_per_s: float
     peak_rss_bytes: int
     engine: str
+    peak_device_bytes: int | None = None  # a GPU plan's (``peak_device_bytes``)
+    device_name: str = "cpu"
+
+    @property
+    def peak_bytes(self) -> int:
+        """The plan's device memory at its peak: the GPU's, or on a CPU the processes'."""
+        return self.peak_device_bytes if self.peak_device_bytes is not None else self.peak_rss_bytes
 
 
 def run_layout(
@@ -42,13 +54,15 @@ def run_layout(
 ) -> dict[str, Any]:
     """Execute in this process, or on ``tp x pp`` ranks it launches; return the timings
     and the ranks' peak RSS (this process's own is ``measure``'s to add)."""
-    batch = int(layout["batch"])
+    batch, device = int(layout["batch"]), str(layout.get("device", "cpu"))
     gen_tokens = torch.Generator().manual_seed(0)
     vocab = _vocab_size(model)
     prompt = torch.randint(0, vocab, (batch, prompt_len), generator=gen_tokens)  # (B, P)
     tp, pp = int(layout["tp"]), int(layout["pp"])
+    if device != "cpu" and (tp * pp > 1 or layout["offload"] != "none"):
+        raise ValueError("kiln executes GPU plans on one device, without offload")
     if tp * pp == 1:
-        return _run_here(model, layout, fmt, prompt, gen_len)
+        return _run_here(model, layout, fmt, prompt, gen_len, device)
     if layout["offload"] != "none":
         raise ValueError("kiln executes offloaded plans in one process only (tp = pp = 1)")
     from kiln.parallel.launch import launch
@@ -67,16 +81,17 @@ def _vocab_size(model: str) -> int:
     return read_architecture(model).vocab_size
 
 
-def run_request(model: str, fmt: str) -> Any:
+def run_request(model: str, fmt: str, device: str = "cpu") -> Any:
     """The ``kiln run`` request of a plan in format ``fmt`` (the loads below are its own)."""
     from kiln.deploy.generate_job import GenerateRequest
 
-    return GenerateRequest(checkpoint=model, prompt="", weights=fmt, packed=False)
+    return GenerateRequest(checkpoint=model, prompt="", weights=fmt, packed=False, device=device)
 
 
 def _run_here(
-    model: str, layout: dict[str, Any], fmt: str, prompt: torch.Tensor, gen_len: int
-) -> dict[str, Any]:
+    model: str, layout: dict[str, Any], fmt: str, prompt: torch.Tensor, gen_len: int,
+    device: str,
+) -> dict[str, Any]:  # fmt: skip
     """One process, loaded as ``kiln run`` loads a plan: block by block, each block stored
     in the plan's format as it is read (and, offloaded, written to the store and released)."""
     from kiln.deploy.generate_job import choose_decoder, load_options, prepare
@@ -84,7 +99,7 @@ def _run_here(
     from kiln.llm.offload import load_offloaded
     from kiln.models.load import load_model
 
-    request = run_request(model, fmt)
+    request = run_request(model, fmt, device)
     dtype, in_format = load_options(request)
     batch, max_len = prompt.shape[0], prompt.shape[1] + gen_len
     with tempfile.TemporaryDirectory(prefix="kiln-plan-") as store:
@@ -95,11 +110,15 @@ def _run_here(
             decoder: Any = EagerDecoder(loaded.model, batch, max_len)
             engine = "eager, blocks streamed from disk"
         else:
-            loaded = load_model(model, dtype, packed=False, with_tokenizer=False,
-                                on_block=in_format)  # fmt: skip
+            loaded = load_model(model, dtype, packed=False, device=device,
+                                with_tokenizer=False, on_block=in_format)  # fmt: skip
             prepare(loaded, request)
             decoder, engine = choose_decoder(loaded.model, request, batch, max_len)
-        return {**_timed(decoder, prompt, gen_len), "engine": engine}
+        timed = {**_timed(decoder, prompt, gen_len), "engine": engine}
+        if device != "cpu":
+            timed |= {"peak_device_bytes": peak_device_bytes(), "device_name":
+                      torch.cuda.get_device_name()}  # fmt: skip
+        return timed
 
 
 TTFT_RUNS = 3  # prompts timed to the first token; their median is the figure
@@ -149,7 +168,17 @@ def measure(
         raise RuntimeError(f"executing the plan failed:\n{proc.stderr[-2000:]}")
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     return Measured(got["ms_per_token"], got["ttft_ms"], got["tokens_per_s"],
-                    got["peak_rss_bytes"], got["engine"])  # fmt: skip
+                    got["peak_rss_bytes"], got["engine"], got.get("peak_device_bytes"),
+                    got.get("device_name", "cpu"))  # fmt: skip
+
+
+def peak_device_bytes() -> int:
+    """This process's peak use of its GPU: the caching allocator's high-water mark plus
+    what lives outside the allocator (CUDA context, cuBLAS workspace, Triton's modules),
+    read now as the device's used memory less the allocator's reservation."""
+    free, total = torch.cuda.mem_get_info()
+    outside = (total - free) - torch.cuda.memory_reserved()
+    return int(torch.cuda.max_memory_reserved() + max(0, outside))
 
 
 def peak_rss_bytes() -> int:

@@ -71,6 +71,7 @@ class GenerateRequest:
     timeout_s: float = 120.0  # parallel: longest stretch without progress on any rank
     speculate: int = 0  # > 0: guesses per round of an INT8 draft (float weights)
     weights: str | None = None  # a plan's weight format (``weights.store_in_format``)
+    device: str = "cpu"  # where the model runs: "cpu", or "cuda" (a GPU plan: one device)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -87,6 +88,9 @@ class GenerateRequest:
             raise ValueError(f"tp and pp must be >= 1, got tp={self.tp}, pp={self.pp}")
         if self.parallel and self.offload:
             raise ValueError("offloading runs in one process: drop --offload or --tp/--pp")
+        if self.device != "cpu" and (self.offload or self.speculate or self.parallel):
+            raise ValueError(f"on {self.device} kiln runs one process with the weights in "
+                             "device memory: no --offload, --speculate, --tp or --pp")  # fmt: skip
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.speculate < 0:
@@ -213,7 +217,7 @@ def load_options(request: GenerateRequest) -> tuple[torch.dtype, BlockHook | Non
         return DTYPES[request.dtype], None
     from kiln.deploy.weights import load_format
 
-    return load_format(request.weights)
+    return load_format(request.weights, request.device)
 
 
 def load_rank_part(request: GenerateRequest, part_of: PartOf) -> Transformer:
@@ -249,7 +253,8 @@ def generate_text(
             request.checkpoint, request.offload, dtype, request.packed, on_block=in_format
         )
     else:
-        loaded = load_model(request.checkpoint, dtype, request.packed, on_block=in_format)
+        loaded = load_model(request.checkpoint, dtype, request.packed, request.device,
+                            on_block=in_format)  # fmt: skip
     notes = prepare(loaded, request)
     load_s = time.perf_counter() - t0
     prompt = encode_prompt(loaded.tokenizer, request.prompt, request.chat)

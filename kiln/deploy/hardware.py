@@ -166,6 +166,18 @@ _ALIASES |= {"v100": "V100-32GB", "h100sxm": "H100", "h10080gb": "H100", "h20014
 _AMBIGUOUS = {"a100": ("A100-40GB", "A100-80GB")}
 
 
+def catalog_name(device_name: str) -> str:
+    """The catalog's name for a device as its driver names it ("NVIDIA H200" -> "H200",
+    "NVIDIA H100 80GB HBM3" -> "H100"): its words, dropped from the end until one matches."""
+    words = device_name.split()
+    for end in range(len(words), 0, -1):
+        key = _key(re.sub(r"-?sxm\d?", "", "".join(words[:end]), flags=re.I)).removeprefix("tesla")
+        if key in _ALIASES:
+            return _ALIASES[key]
+    raise HardwareSpecError(f"{device_name!r} is not in the catalog; valid devices: "
+                            f"{_names(DEVICES)} (or describe it in a hardware file)")  # fmt: skip
+
+
 def _names(m: Mapping[str, object]) -> str:
     return ", ".join(m)
 

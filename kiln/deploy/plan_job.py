@@ -147,21 +147,28 @@ def measure_mixed(
 
 
 def verify(result: PlanResult, model: str) -> dict[str, dict[str, float]]:
-    """Execute the chosen plan here (a CPU plan, one process) and put the measured figures
-    beside the predicted ones: {figure: {"predicted", "measured", "error"}}."""
+    """Execute the chosen plan here (a CPU plan; or a one-GPU plan on this machine's GPU)
+    and put the measured figures beside the predicted ones: {figure: {"predicted",
+    "measured", "error"}}."""
+    import torch
+
     from kiln.deploy.execute import measure
 
     doc = result.document
-    if result.plan.best.hardware.device.kind != "cpu":
-        raise ValueError("--verify executes plans for this machine (--hardware cpu); a GPU "
-                         "plan's figures stay predictions")  # fmt: skip
+    device = result.plan.best.hardware.device
+    layout = dict(doc["layout"])
+    if device.kind != "cpu":
+        if not torch.cuda.is_available():
+            raise ValueError("--verify executes plans for this machine: this one has no GPU "
+                             "(--hardware cpu); a GPU plan's figures stay predictions")  # fmt: skip
+        layout["device"] = "cuda"
     req = result.plan.request
-    got = measure(model, doc["layout"], doc["compression"]["format"], req.prompt_len, req.gen_len)
+    got = measure(model, layout, doc["compression"]["format"], req.prompt_len, req.gen_len)
     pred = doc["predicted"]
     pairs = {
         "ms_per_token": (pred["ms_per_token"], got.ms_per_token),
         "ttft_ms": (pred["ttft_ms"], got.ttft_ms),
-        "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_rss_bytes)),
+        "peak_bytes": (float(pred["peak_device_bytes"]), float(got.peak_bytes)),
     }
     return {k: {"predicted": p, "measured": m, "error": p / m - 1} for k, (p, m) in pairs.items()}
 
@@ -256,6 +263,10 @@ def request_from_plan(
                          "machine has no GPU (plan again with --hardware cpu)")  # fmt: skip
     if lay["offload"] == "host" and not on_gpu:
         raise ValueError("a CPU plan cannot offload to host memory (it is the device)")
+    if on_gpu and (lay["offload"] != "none" or lay["tp"] * lay["pp"] > 1):
+        raise ValueError("kiln executes GPU plans on one device with every weight in its "
+                         f"memory; this one has tp {lay['tp']}, pp {lay['pp']}, offload "
+                         f"{lay['offload']} (emit it for another engine: --emit vllm)")  # fmt: skip
     if lay["offload"] != "none" and offload_dir is None:
         raise ValueError("this plan streams its blocks from disk: give a folder for the store")
     parallel = lay["tp"] * lay["pp"] > 1
@@ -265,5 +276,5 @@ def request_from_plan(
         split=tuple(lay["stage_layers"]) if lay["pp"] > 1 else None,
         offload=offload_dir if lay["offload"] != "none" else None,
         engine="eager" if parallel or lay["offload"] != "none" else "auto",
-        packed=False, **options,
+        packed=False, device="cuda" if on_gpu else "cpu", **options,
     )  # fmt: skip

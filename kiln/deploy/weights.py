@@ -1,9 +1,11 @@
 """A plan's weight format applied to a loaded model: the one place that does it.
 
 ``store_in_format(model, fmt)`` stores the blocks' linear weights as the planner's format
-names them (``estimate.FORMATS`` on a CPU): fp32 as loaded, bf16, or kiln's INT8 / INT4
-weight-only kernels, the head then INT8 too (as ``kiln generate`` runs a compressed model),
-or a per-layer mix of those kernels (``deploy.mixed``: a ``mixed:...`` spec).
+names them (``estimate.FORMATS``): fp32 as loaded, bf16, or kiln's INT8 / INT4
+weight-only kernels, on a CPU the head then INT8 too (as ``kiln generate`` runs a
+compressed model), or a per-layer mix of those kernels (``deploy.mixed``: a ``mixed:...``
+spec). On a GPU the quantized formats run their Triton kernels on bf16 activations and
+keep a bf16 head, as the planner prices them (``estimate``).
 Execution (``execute``), ``kiln run PLAN.json`` (``generate_job``) and the engine timings the
 planner prices plans with (``kernel_rates``) all go through it, so what is timed is what
 runs.
@@ -47,6 +49,8 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
             hook(index, cast("Block", block))
     else:
         quantize_(model, quantization(fmt), filter_fn=blocks)
+    if model.embed.weight.is_cuda:  # a GPU plan: bf16 activations into the Triton kernels
+        return model.to(torch.bfloat16)
     head = model.lm_head
     # a float head with data: not one kept packed (a GGUF's Q8_0 table), nor a released one
     if isinstance(head, torch.nn.Linear) and head.weight.numel():
@@ -54,17 +58,19 @@ def store_in_format(model: Transformer, fmt: str) -> Transformer:
     return model
 
 
-def load_format(fmt: str) -> tuple[torch.dtype, BlockHook | None]:
-    """How a streaming load (``kiln.models.load``) applies ``fmt``: the dtype to read the
-    weights in, and the per-block hook quantizing each block as soon as it is read (None
-    for the float formats). ``store_in_format`` afterwards does the head."""
+def load_format(fmt: str, device: str = "cpu") -> tuple[torch.dtype, BlockHook | None]:
+    """How a streaming load (``kiln.models.load``) onto ``device`` applies ``fmt``: the
+    dtype to read the weights in (a quantized format's activations: fp32 on a CPU, bf16 on
+    a GPU), and the per-block hook quantizing each block as soon as it is read (None for
+    the float formats). ``store_in_format`` afterwards does the head."""
     if fmt in FORMAT_DTYPES:
         return FORMAT_DTYPES[fmt], None
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     if is_mixed(fmt):
-        return torch.float32, _quantize_mixed(fmt)
+        return dtype, _quantize_mixed(fmt)
     from kiln.models.parts import quantize_blocks
 
-    return torch.float32, quantize_blocks(quantization(fmt))
+    return dtype, quantize_blocks(quantization(fmt))
 
 
 def _quantize_mixed(spec: str) -> BlockHook:

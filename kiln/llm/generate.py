@@ -10,6 +10,8 @@ one ``Generation``:
   - time to first token = prefill + choosing the first token,
   - per-token latency   = each later step (decode + choosing), their median and mean; a
     call that emits n tokens gives each an n-th of its time.
+On a GPU the clock is read after the device has finished the work queued so far (a CUDA
+call returns when it is queued, not when it is done).
 """
 
 from __future__ import annotations
@@ -199,11 +201,12 @@ def generate(
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     sampler = Sampler(sampling)
     advance = _advancer(decoder)
-    stops = torch.tensor(stop_ids, dtype=torch.long)
     t0 = time.perf_counter()
     logits = decoder.prefill(prompt)[:, -1]  # (B, V)
     token = sampler.choose(logits)  # (B,)
-    ttft = time.perf_counter() - t0
+    now = _clock(token)
+    ttft = now() - t0
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=token.device)
     out, steps = [token], []
     kept = [logits.clone()] if keep_logits else []  # a decoder may reuse its output buffer
     done = torch.isin(token, stops)
@@ -213,7 +216,7 @@ def generate(
     while len(out) < max_new_tokens and not bool(done.all()):
         t = time.perf_counter()
         new, new_logits = advance(token, pos, max_new_tokens - len(out), sampler)
-        share = (time.perf_counter() - t) / new.shape[1]
+        share = (now() - t) / new.shape[1]
         for i in range(new.shape[1]):
             token = torch.where(done, token, new[:, i])
             done |= torch.isin(token, stops)
@@ -234,6 +237,18 @@ def generate(
 
 
 Advance = Callable[[Tensor, int, int, Sampler], tuple[Tensor, Tensor]]
+
+
+def _clock(token: Tensor) -> Callable[[], float]:
+    """``time.perf_counter``, on a CUDA device once the device has caught up."""
+    if token.device.type != "cuda":
+        return time.perf_counter
+
+    def synced() -> float:
+        torch.cuda.synchronize(token.device)
+        return time.perf_counter()
+
+    return synced
 
 
 def _advancer(decoder: Decoder | MultiTokenDecoder) -> Advance:

@@ -176,7 +176,9 @@ def test_session_step_runner_and_junit(tmp_path: Path) -> None:
 
 @no_gpu
 def test_session_survives_failed_steps(tmp_path: Path) -> None:
+    (tmp_path / "table.md").write_text("| a step's table |\n")  # goes into the log
     assert gpu_session.main(["--out", str(tmp_path), "--steps", "env,nonsense"]) == 0
+    assert "| a step's table |" in (tmp_path / "session.log").read_text()
     env = json.loads((tmp_path / "env.json").read_text())
     assert env["cuda_available"] is False and env["versions"]["torch"]
     summary = json.loads((tmp_path / "summary.json").read_text())

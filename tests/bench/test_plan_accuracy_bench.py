@@ -62,3 +62,31 @@ def test_a_mixed_plan_is_the_one_kiln_plan_chooses_for_its_budget(
     assert (model, hardware) == ("/ckpt/smollm2", "cpu")
     assert request.max_ppl_increase == pytest.approx(0.05) and "mixed" in request.formats
     assert request.batch == 4 and request.prompt_len == 64
+
+
+def test_a_failed_plan_is_reported_and_the_others_scored(monkeypatch: pytest.MonkeyPatch) -> None:
+    def fake_measure(path: str, layout: dict[str, Any], fmt: str, *_: int) -> Measured:
+        if fmt == "int4-g128":
+            raise RuntimeError("executing the plan failed:\nCUDA out of memory")
+        return Measured(40.0, 300.0, 25.0, int(3e9), "decode step as one CUDA graph")
+
+    monkeypatch.setattr(bench, "checkpoint_of", lambda model: model)
+    monkeypatch.setattr(bench, "measurements", lambda *_, **__: NOTHING_MEASURED)
+    monkeypatch.setattr(bench, "measure", fake_measure)
+    plans = [bench.PlanSpec("qwen2-0.5b", "int4-g128", 1), bench.PlanSpec("qwen2-0.5b", "bf16", 1)]
+    result = bench.run(plans, 64, 8, rounds=2)
+    failed, ok = result["rows"]
+    assert "out of memory" in failed["failed"] and "measured" not in failed
+    assert len(ok["runs"]) == 2 and "error" in ok
+    assert list(result["summary"]["failed"]) == [failed["plan"]]
+    assert result["summary"]["ms_per_token"]["median_abs_error"] == pytest.approx(
+        abs(ok["predicted"]["ms_per_token"] / 40 - 1))  # fmt: skip
+    assert "failed: RuntimeError" in bench.markdown(result)
+
+
+def test_past_its_budget_no_execution_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "checkpoint_of", lambda model: model)
+    monkeypatch.setattr(bench, "measurements", lambda *_, **__: NOTHING_MEASURED)
+    monkeypatch.setattr(bench, "measure", lambda *_: pytest.fail("executed past the budget"))
+    result = bench.run([bench.PlanSpec("qwen2-0.5b", "bf16", 1)], 64, 8, rounds=1, budget_s=-1)
+    assert result["rows"][0]["failed"] == "not run: the time budget was spent"

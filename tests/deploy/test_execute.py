@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.deploy.architecture import read_architecture
 from kiln.deploy.estimate import FORMATS, Layout, Measurements
@@ -61,3 +62,25 @@ def test_measured_peak_memory_is_within_the_prediction(checkpoint: Path) -> None
     got = measure(str(checkpoint), LAYOUT, "fp32", 6, 5)
     assert got.peak_rss_bytes > 100e6  # torch alone is resident: the figure is real
     assert est.peak_device_bytes >= 0.95 * got.peak_rss_bytes, (est.peak_device_bytes, got)
+
+
+def test_gpu_plans_run_on_one_device_only(checkpoint: Path) -> None:
+    for layout in ({"tp": 2}, {"pp": 2}, {"offload": "disk"}):
+        with pytest.raises(ValueError, match="one device"):
+            run_layout(str(checkpoint), {**LAYOUT, **layout, "device": "cuda"}, "bf16", 6, 5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4-g32"])
+def test_a_gpu_plan_runs_on_the_gpu_within_its_predicted_memory(checkpoint: Path, fmt: str) -> None:
+    """Loaded straight onto the GPU, decoded with the CUDA-graph step (the INT8 / INT4
+    layers' Triton kernels inside the graph), its GPU memory at most the prediction."""
+    got = measure(str(checkpoint), {**LAYOUT, "device": "cuda"}, fmt, 6, 5)
+    assert "CUDA graph" in got.engine and got.device_name != "cpu"
+    assert got.peak_device_bytes is not None and got.peak_bytes == got.peak_device_bytes
+    arch, hw = read_architecture(str(checkpoint)), parse_hardware("1xH100")
+    lay = Layout(FORMATS[fmt], 1, 1, 1, 2, 6, 5, "none", 2)
+    est = evaluate(arch, hw, lay, Request(batch=2, prompt_len=6, gen_len=5),
+                   Measurements(checkpoint_bytes(str(checkpoint)))).estimate  # fmt: skip
+    assert 0 < got.peak_device_bytes <= est.peak_device_bytes
