@@ -7,8 +7,8 @@
 * the name of a published configuration kiln ships (``PUBLISHED``: "glm-130b",
   "llama-2-70b", "qwen2-0.5b", "qwen2-1.5b"; the files are in ``kiln/deploy/configs/``),
   for planning models far beyond this machine without a file of one's own;
-* a ``.gguf`` file: ``kiln.models.gguf.open_reader`` + ``read_config`` parse the header and
-  the tensor table only (memory-mapped; no tensor data is touched);
+* a ``.gguf`` file: ``kiln.models.gguf.header`` parses the header and the tensor table
+  only (memory-mapped; no tensor data is touched), once per process and file version;
 * a folder holding ``config.json`` (a Hugging Face checkpoint, or one ``kiln compress``
   wrote: its config.json is the original model's) or a JSON config file on its own, for
   models far beyond this machine. Hugging Face configs go through
@@ -194,8 +194,7 @@ def _read(model: str) -> Architecture:
 
 
 def _from_gguf(path: Path, source: str) -> Architecture:
-    reader = gguf_reader.open_reader(path)  # header and tensor table only
-    cfg = gguf_reader.read_config(reader, path)
+    cfg, _ = gguf_reader.header(path)  # the header only, parsed once
     name = _QUANT_SUFFIX.sub("", path.name.removesuffix(".gguf"))
     return Architecture.from_model_config(cfg, name, source)
 

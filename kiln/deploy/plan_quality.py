@@ -122,10 +122,10 @@ def logits_fn(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
 def unscorable(model: str) -> str | None:
     """Why ``model`` cannot be scored here (None when it can): no tokenizer, too large for
     this machine's memory, or the texts not installed. Reads no weight."""
-    from kiln.models.load import open_checkpoint
+    from kiln.models.load import has_tokenizer
     from kiln.quality import corpus
 
-    if open_checkpoint(model, packed=False).tokenizer_source is None:
+    if not has_tokenizer(model):
         return "the checkpoint has no tokenizer (random weights: no perplexity)"
     large = too_large_to_score(model)
     if large is not None:

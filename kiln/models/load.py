@@ -22,6 +22,7 @@ Q5_K, Q6_K; 8-bit activations by default, ``GgufLinear.activations``).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -164,9 +165,27 @@ def resolve(path: str | Path) -> Path:
     return where
 
 
+def has_tokenizer(path: str | Path) -> bool:
+    """Whether checkpoint ``path`` (a folder, a .gguf file or a catalog name) carries a
+    tokenizer; reads no weight (a GGUF's header is parsed once per process)."""
+    where = resolve(path)
+    if where.is_dir():
+        return any((where / f).is_file() for f in _TOKENIZER_FILES)
+    return gguf_reader.header(where)[1]
+
+
 def _auto_tokenizer(folder: Path, **kwargs: Any) -> Any:
-    """The checkpoint's tokenizer through transformers, offline."""
+    """The checkpoint's tokenizer through transformers, offline; built once per process
+    and version of its source (a GGUF's vocabulary takes seconds to read). Callers share
+    it: kiln only calls a tokenizer, never changes one."""
+    source = folder / kwargs["gguf_file"] if "gguf_file" in kwargs else folder
+    stamp = source.stat().st_mtime_ns
+    return _tokenizer(str(folder.resolve()), tuple(sorted(kwargs.items())), stamp)
+
+
+@functools.lru_cache(maxsize=8)
+def _tokenizer(folder: str, kwargs: tuple[tuple[str, Any], ...], stamp: int) -> Any:
     hub_offline()
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), **kwargs)
+    return AutoTokenizer.from_pretrained(folder, **dict(kwargs))
