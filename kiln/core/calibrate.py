@@ -64,7 +64,7 @@ def _bandwidth_gbs(numel: int) -> float:
     return big.nbytes / (_best_us(lambda: big.sum(), inner=1, budget_s=0.3) * 1e3)
 
 
-def _cache_bytes() -> tuple[int, int, int]:
+def cache_bytes() -> tuple[int, int, int]:
     """(L1d, L2, L3) from sysfs, falling back to sysconf, 0 where unknown."""
     sizes = {1: 0, 2: 0, 3: 0}
     base = "/sys/devices/system/cpu/cpu0/cache"
@@ -149,7 +149,7 @@ def _measure(threads: int) -> HardwareProfile:
         threads=threads,
         peak_gflops=round(peak, 2),
         mem_bw_gbs=round(bw, 2),
-        cache_bytes=_cache_bytes(),
+        cache_bytes=cache_bytes(),
         kernel_fixed_us=round(kernel_fixed, 3),
         extern_call_us=round(call_us, 3),
         gemm_efficiency={k: round(v, 4) for k, v in eff.items()},

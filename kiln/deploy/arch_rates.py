@@ -41,11 +41,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from kiln.core.cache import cache_dir
+from kiln.core.calibrate import cache_bytes
 from kiln.core.host_load import OtherLoad
 from kiln.deploy.kernel_rates import (
     DECODE_ROWS,
     FORMATS,
     PREFILL_ROWS,
+    CacheEvictor,
     Cost,
     Rates,
     Timings,
@@ -63,7 +65,7 @@ if TYPE_CHECKING:
     from kiln.llm.generate import Decoder
     from kiln.models.transformer import Transformer
 
-VERSION = 4  # of the cached file's layout or method
+VERSION = 5  # of the cached file's layout or method (5: probes read from memory)
 MAX_PROBE_LAYERS = 8  # blocks of the larger probe, at most
 PROBE_POSITIONS = 320  # rows of the rotary / learned position tables the probes need
 ROUNDS = 3  # timings of each probe, the models in turn
@@ -125,10 +127,12 @@ def split_fit(
 Probe = tuple[str, int, list[float], list[Callable[[], float]]]  # engine, rows, per model
 
 
-def _probes(models: list[Transformer], fmt: str, tp: int, fast: bool) -> Iterator[Probe]:
+def _probes(
+    models: list[Transformer], fmt: str, tp: int, fast: bool, evict: CacheEvictor | None
+) -> Iterator[Probe]:  # fmt: skip
     """The timings of one format and shard: per engine and rows, each model's amount
     (weight bytes a step reads, or prefill FLOPs) and a call timing it once (a decode
-    step's median over a few steps; one prefill)."""
+    step's median over a few steps, each after ``evict`` when given; one prefill)."""
     from kiln.deploy.generate_job import GenerateRequest, choose_decoder, weight_bytes_per_token
     from kiln.llm.fast_decoder import FastDecoder
     from kiln.llm.generate import EagerDecoder
@@ -139,7 +143,9 @@ def _probes(models: list[Transformer], fmt: str, tp: int, fast: bool) -> Iterato
         for kind, make in [*kinds, ("eager", EagerDecoder)]:
             decs = [make(m, rows, 64) for m in models]
             engine = f"fast-{fmt}" if kind == "fast" else shard_engine("eager", tp, fmt)
-            steps: list[Callable[[], float]] = [partial(step_seconds, d, rows, 6, 1) for d in decs]
+            steps: list[Callable[[], float]] = [
+                partial(step_seconds, d, rows, 6, 1, evict) for d in decs
+            ]
             yield engine, rows, nbytes, steps
     request = GenerateRequest(checkpoint="", prompt="")
     for rows in PREFILL_ROWS:
@@ -148,6 +154,17 @@ def _probes(models: list[Transformer], fmt: str, tp: int, fast: bool) -> Iterato
         flops = [prefill_flops(rows, *matmul_params(m.cfg)) for m in models]
         timers: list[Callable[[], float]] = [partial(prefill_once, d, rows) for d in decs]
         yield shard_engine("prefill", tp, fmt), rows, flops, timers
+
+
+def model_bytes(cfg: ModelConfig, probes: list[Transformer], layers: tuple[int, int]) -> float:
+    """Weight bytes a decode step of the whole model (``cfg``'s blocks) reads, from the two
+    probes' (``layers`` blocks each): the smaller one's, plus a block's for every further
+    block."""
+    from kiln.deploy.generate_job import weight_bytes_per_token
+
+    small, large = (float(weight_bytes_per_token(m)) for m in probes)
+    per_block = (large - small) / max(1, layers[1] - layers[0])
+    return small + (cfg.n_layers - layers[0]) * per_block
 
 
 def prefill_once(decoder: Decoder, rows: int) -> float:
@@ -188,6 +205,8 @@ def measure_arch_rates(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     runs: Timings = {}
+    llc = cache_bytes()[2]
+    evictor = CacheEvictor(llc)
     try:
         for fmt in FORMATS:
             note(f"timing {fmt} engines on this model's blocks ({threads} thread(s))")
@@ -199,7 +218,8 @@ def measure_arch_rates(
                 except ValueError as err:  # a format this shape cannot take (its group size)
                     note(f"{fmt}: not timed on this model's blocks ({err})")
                     break
-                for engine, rows, amounts, timers in _probes(models, fmt, tp, fast):
+                evict = evictor if model_bytes(cfg, models, counts) * tp > llc else None
+                for engine, rows, amounts, timers in _probes(models, fmt, tp, fast, evict):
                     # the two models in turn, best of ROUNDS each: a drift of this shared
                     # host then hits both, and their difference is what a block costs
                     best = [float("inf")] * len(timers)

@@ -25,6 +25,9 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
 if TYPE_CHECKING:
     from kiln.deploy.architecture import Architecture
     from kiln.deploy.hardware import Device
@@ -63,8 +66,6 @@ def launch_costs(device: Device) -> LaunchCosts:
 
 @lru_cache(maxsize=8)
 def _launch_costs(device_name: str) -> LaunchCosts:
-    import torch
-
     from kiln.core import gpu_profile as gp
 
     if torch.cuda.is_available():
@@ -110,20 +111,8 @@ def _counted(cfg: ModelConfig) -> KernelCounts:
 
 def _count(cfg: ModelConfig) -> tuple[int, int]:
     """(decode step, prefill) kernels of ``cfg``'s model, built on the meta device."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from kiln.llm.graph_decoder import GraphDecoder
     from kiln.models.transformer import Transformer
-
-    class Count(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.kernels = 0
-
-        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # fmt: skip
-            self.kernels += int(not func.is_view)
-            return func(*args, **(kwargs or {}))
 
     with torch.device("meta"):
         model = Transformer(replace(cfg, max_positions=max(cfg.max_positions, 2 * PROMPT)))
@@ -132,11 +121,24 @@ def _count(cfg: ModelConfig) -> tuple[int, int]:
     token = torch.zeros(1, dtype=torch.long, device="meta")
     counts = []
     for run in (lambda: decoder.prefill(prompt), lambda: decoder.step(token, PROMPT)):
-        mode = Count()  # as a generation runs them: the prefill, then a step
-        with mode:
+        counter = KernelCounter()  # as a generation runs them: the prefill, then a step
+        with counter:
             run()
-        counts.append(mode.kernels)
+        counts.append(counter.kernels)
     return counts[1], counts[0]
+
+
+class KernelCounter(TorchDispatchMode):
+    """Counts the ATen operators dispatched inside it that are not views (a view launches
+    no kernel; every other operator launches one on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernels = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # fmt: skip
+        self.kernels += int(not func.is_view)
+        return func(*args, **(kwargs or {}))
 
 
 def step_ms(roofline_ms: float, kernels: int, costs: LaunchCosts) -> float:

@@ -127,19 +127,42 @@ def prefill_flops(rows: int, blocks: int, head: int) -> float:
     return 2.0 * (rows * blocks + prefill_shape(rows)[0] * head)
 
 
-def step_seconds(decoder: Decoder, rows: int, steps: int, repeats: int) -> float:
-    """Best over ``repeats`` of the median of ``steps`` decode steps after a short prefill."""
+def step_seconds(
+    decoder: Decoder, rows: int, steps: int, repeats: int, evict: Callable[[], None] | None = None
+) -> float:
+    """Best over ``repeats`` of the median of ``steps`` decode steps after a short prefill;
+    ``evict`` (untimed) before each step: the step then reads its weights from memory, as a
+    model too large for the caches does (``CacheEvictor``)."""
     tok = torch.zeros(rows, dtype=torch.long)
     decoder.prefill(torch.zeros(rows, 4, dtype=torch.long))
     best = float("inf")
     for _ in range(repeats):
         times = []
         for pos in range(4, 4 + steps):
+            if evict is not None:
+                evict()
             t0 = time.perf_counter()
             decoder.step(tok, pos)
             times.append(time.perf_counter() - t0)
         best = min(best, sorted(times)[len(times) // 2])
     return best
+
+
+class CacheEvictor:
+    """Reads a buffer twice the last-level cache (at most ``MAX_BYTES``) when called: what
+    was cached before is gone. A probe of a few blocks fits a 32 MB L3 that the whole model
+    overflows, so timed warm its blocks stream from the cache and a block is priced too
+    cheaply or, by difference against an even smaller probe, too dearly (SmolLM2's INT4
+    blocks came out 41% slower than the whole model ran on an AMD EPYC with 32 MB of L3)."""
+
+    MAX_BYTES = 512 * 2**20
+
+    def __init__(self, llc_bytes: int) -> None:
+        n = min(2 * llc_bytes, self.MAX_BYTES) // 4
+        self.buffer = torch.ones(max(n, 1))  # (n,) fp32
+
+    def __call__(self) -> None:
+        self.buffer.sum()
 
 
 def prefill_seconds(model: Transformer, rows: int, repeats: int = 3) -> float:
