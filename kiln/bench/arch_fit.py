@@ -29,6 +29,7 @@ from kiln.deploy.arch_rates import (
     build_in_format,
     prefill_once,
     probe_config,
+    probe_evictors,
     probe_layers,
     split_fit,
 )
@@ -58,13 +59,20 @@ def fit_error(
     return {"predicted_s": predicted, "measured_s": t_full, "error": predicted / t_full - 1}
 
 
-def measure(cfg: ModelConfig, fmt: str, rounds: int) -> list[dict[str, Any]]:
-    """The fit against the whole model for one format: decode at 1 row, prefills."""
-    layers = (*probe_layers(cfg), cfg.n_layers)
+def measure(cfg: ModelConfig, fmt: str, rounds: int, evict: bool = True) -> list[dict[str, Any]]:
+    """The fit against the whole model for one format: decode at 1 row, prefills. With
+    ``evict`` (the planner's way) each probe's decode step follows the traffic of the rest
+    of the model (``arch_rates.probe_evictors``); without, the probes run warm."""
+    probe_counts = probe_layers(cfg)
+    layers = (*probe_counts, cfg.n_layers)
     models = [build_in_format(probe_config(cfg, n), fmt) for n in layers[:2]]
+    evicts = probe_evictors(cfg, models, probe_counts) if evict else [None, None]
     models.append(build_in_format(cfg, fmt))
     timers: dict[str, list[Callable[[], float]]] = {
-        "decode, 1 row": [partial(step_seconds, FastDecoder(m, 1, 64), 1, 6, 1) for m in models]
+        "decode, 1 row": [
+            partial(step_seconds, FastDecoder(m, 1, 64), 1, 6, 1, e)
+            for m, e in zip(models, [*evicts, None], strict=True)
+        ]  # fmt: skip
     }
     amounts = {"decode, 1 row": tuple(float(weight_bytes_per_token(m)) for m in models)}
     request = GenerateRequest(checkpoint="", prompt="")
@@ -96,7 +104,12 @@ def markdown(result: dict[str, Any]) -> str:
         f"{cpu['name']} ({'AVX-512' if cpu['avx512f'] else 'AVX2'}), {result['threads']} threads; "
         f"random weights of the checkpoint's config; probes and model timed side by side in "
         f"one process, fastest of {result['rounds']} alternating rounds. Error = predicted / "
-        "measured - 1.",
+        "measured - 1. "
+        + {
+            True: "Each probe decode step follows the rest of the model's traffic (the planner's way).",
+            False: "Probes timed warm (--no-evict).",
+            None: "",
+        }[result.get("probes_after_the_rest_of_the_model")],
         "",
         "| format | engine | blocks (probes, model) | predicted ms | measured ms | error |",
         "| --- | --- | --- | ---: | ---: | ---: |",
@@ -121,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--formats", default="bf16,int8", help="comma list of weight formats")
     p.add_argument("--rounds", type=int, default=5, help="alternating rounds per timing")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-evict", action="store_true",
+                   help="time the probes warm (not after the rest of the model's traffic)")  # fmt: skip
     p.add_argument("--out", default=str(RESULTS_DIR))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -128,13 +143,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_model(args.model).model.cfg
     rows: list[dict[str, Any]] = []
     for fmt in [f.strip() for f in args.formats.split(",") if f.strip()]:
-        rows += measure(cfg, fmt, args.rounds)
+        rows += measure(cfg, fmt, args.rounds, evict=not args.no_evict)
         for r in rows[-3:]:
             print(f"{fmt} {r['engine']}: predicted {1e3 * r['predicted_s']:.2f} ms, "
                   f"measured {1e3 * r['measured_s']:.2f} ms ({100 * r['error']:+.1f}%)", flush=True)  # fmt: skip
     cpu = system.cpu_info()
     result = {"benchmark": "arch_fit", "model": args.model, "date": time.strftime("%Y-%m-%d"),
               "cpu": cpu, "threads": args.threads, "rounds": args.rounds,
+              "probes_after_the_rest_of_the_model": not args.no_evict,
               "versions": system.versions(), "rows": rows}  # fmt: skip
     system.publish(result, args.out, f"arch-fit-{system.device_slug(cpu)}", markdown(result))
     return 0

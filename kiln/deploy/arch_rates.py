@@ -65,7 +65,7 @@ if TYPE_CHECKING:
     from kiln.llm.generate import Decoder
     from kiln.models.transformer import Transformer
 
-VERSION = 5  # of the cached file's layout or method (5: probes read from memory)
+VERSION = 6  # of the cached file's layout or method (6: the rest of the model between steps)
 MAX_PROBE_LAYERS = 8  # blocks of the larger probe, at most
 PROBE_POSITIONS = 320  # rows of the rotary / learned position tables the probes need
 ROUNDS = 3  # timings of each probe, the models in turn
@@ -128,11 +128,12 @@ Probe = tuple[str, int, list[float], list[Callable[[], float]]]  # engine, rows,
 
 
 def _probes(
-    models: list[Transformer], fmt: str, tp: int, fast: bool, evict: CacheEvictor | None
+    models: list[Transformer], fmt: str, tp: int, fast: bool,
+    evicts: list[CacheEvictor | None],
 ) -> Iterator[Probe]:  # fmt: skip
     """The timings of one format and shard: per engine and rows, each model's amount
     (weight bytes a step reads, or prefill FLOPs) and a call timing it once (a decode
-    step's median over a few steps, each after ``evict`` when given; one prefill)."""
+    step's median over a few steps, each after its model's ``evicts``; one prefill)."""
     from kiln.deploy.generate_job import GenerateRequest, choose_decoder, weight_bytes_per_token
     from kiln.llm.fast_decoder import FastDecoder
     from kiln.llm.generate import EagerDecoder
@@ -144,7 +145,7 @@ def _probes(
             decs = [make(m, rows, 64) for m in models]
             engine = f"fast-{fmt}" if kind == "fast" else shard_engine("eager", tp, fmt)
             steps: list[Callable[[], float]] = [
-                partial(step_seconds, d, rows, 6, 1, evict) for d in decs
+                partial(step_seconds, d, rows, 6, 1, e) for d, e in zip(decs, evicts, strict=True)
             ]
             yield engine, rows, nbytes, steps
     request = GenerateRequest(checkpoint="", prompt="")
@@ -154,6 +155,24 @@ def _probes(
         flops = [prefill_flops(rows, *matmul_params(m.cfg)) for m in models]
         timers: list[Callable[[], float]] = [partial(prefill_once, d, rows) for d in decs]
         yield shard_engine("prefill", tp, fmt), rows, flops, timers
+
+
+def probe_evictors(
+    cfg: ModelConfig, probes: list[Transformer], layers: tuple[int, int], tp: int = 1
+) -> list[CacheEvictor | None]:  # fmt: skip
+    """For each probe, what the whole model streams through the caches between two of
+    its steps: the weights of the model's other blocks (all ``tp`` ranks' shards: they
+    share this host's caches), read before each timed step (``CacheEvictor``; None when
+    the probe is the whole model). Past four times the last-level cache more traffic
+    evicts nothing more, so it stops there."""
+    from kiln.deploy.generate_job import weight_bytes_per_token
+
+    full, cap = model_bytes(cfg, probes, layers) * tp, 4 * cache_bytes()[2] or 2**28
+    out: list[CacheEvictor | None] = []
+    for probe in probes:
+        rest = full - float(weight_bytes_per_token(probe)) * tp
+        out.append(CacheEvictor(min(rest, cap)) if rest > 0 else None)
+    return out
 
 
 def model_bytes(cfg: ModelConfig, probes: list[Transformer], layers: tuple[int, int]) -> float:
@@ -205,8 +224,6 @@ def measure_arch_rates(
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     runs: Timings = {}
-    llc = cache_bytes()[2]
-    evictor = CacheEvictor(llc)
     try:
         for fmt in FORMATS:
             note(f"timing {fmt} engines on this model's blocks ({threads} thread(s))")
@@ -218,8 +235,8 @@ def measure_arch_rates(
                 except ValueError as err:  # a format this shape cannot take (its group size)
                     note(f"{fmt}: not timed on this model's blocks ({err})")
                     break
-                evict = evictor if model_bytes(cfg, models, counts) * tp > llc else None
-                for engine, rows, amounts, timers in _probes(models, fmt, tp, fast, evict):
+                evicts = probe_evictors(cfg, models, counts, tp)
+                for engine, rows, amounts, timers in _probes(models, fmt, tp, fast, evicts):
                     # the two models in turn, best of ROUNDS each: a drift of this shared
                     # host then hits both, and their difference is what a block costs
                     best = [float("inf")] * len(timers)

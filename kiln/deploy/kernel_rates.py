@@ -149,16 +149,20 @@ def step_seconds(
 
 
 class CacheEvictor:
-    """Reads a buffer twice the last-level cache (at most ``MAX_BYTES``) when called: what
-    was cached before is gone. A probe of a few blocks fits a 32 MB L3 that the whole model
-    overflows, so timed warm its blocks stream from the cache and a block is priced too
-    cheaply or, by difference against an even smaller probe, too dearly (SmolLM2's INT4
-    blocks came out 41% slower than the whole model ran on an AMD EPYC with 32 MB of L3)."""
+    """Reads a buffer of ``nbytes`` (at most ``MAX_BYTES``) when called: the traffic that
+    passes through the caches between two steps of a probe inside the whole model (its
+    other blocks' weights), so the probe's weights are as cached as a block's in the whole
+    model. A probe of a few blocks fits a 32 MB L3 that the whole model overflows: timed
+    warm, its blocks stream from the cache (SmolLM2's INT4 blocks came out 41% slow, by
+    difference against a one-block probe that ran from L3, on an AMD EPYC); timed after
+    evicting everything, they stream from memory every step where the whole model keeps
+    part of itself cached (15-33% slow). The hardware's own replacement policy decides
+    what survives the traffic, as it does for the model."""
 
     MAX_BYTES = 512 * 2**20
 
-    def __init__(self, llc_bytes: int) -> None:
-        n = min(2 * llc_bytes, self.MAX_BYTES) // 4
+    def __init__(self, nbytes: float) -> None:
+        n = int(min(nbytes, self.MAX_BYTES)) // 4
         self.buffer = torch.ones(max(n, 1))  # (n,) fp32
 
     def __call__(self) -> None:

@@ -11,6 +11,7 @@ import torch
 
 from kiln.deploy import estimate_cpu
 from kiln.deploy.arch_rates import (
+    build_in_format,
     head_engine,
     measure_arch_rates,
     probe_config,
@@ -151,3 +152,30 @@ def test_timings_taken_beside_other_work_are_not_cached(
     assert path.exists() and len(calls) == 2
     ar.load_arch_rates(TINY_LLAMA, 2, 2)  # now read from the cache
     assert len(calls) == 2
+
+
+def test_each_probe_follows_the_rest_of_the_models_traffic(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between two of a probe's steps the whole model reads its other blocks: that many
+    bytes pass through the caches (capped at four last-level caches); a probe as deep as
+    the model reads nothing extra."""
+    import kiln.deploy.arch_rates as arch_rates
+
+    cfg = dataclasses.replace(TINY_LLAMA, n_layers=6)
+    probes = [build_in_format(probe_config(cfg, n), "fp32") for n in (1, 3)]
+    per_block = (nbytes(probes[1]) - nbytes(probes[0])) / 2
+    whole = nbytes(probes[0]) + 5 * per_block
+    monkeypatch.setattr(arch_rates, "cache_bytes", lambda: (0, 0, 2**30))
+    small, large = arch_rates.probe_evictors(cfg, probes, (1, 3))
+    assert small is not None and large is not None
+    assert small.buffer.numel() == int(whole - nbytes(probes[0])) // 4
+    assert large.buffer.numel() == int(whole - nbytes(probes[1])) // 4
+    monkeypatch.setattr(arch_rates, "cache_bytes", lambda: (0, 0, 1024))  # a tiny LLC: capped
+    assert arch_rates.probe_evictors(cfg, probes, (1, 3))[0].buffer.numel() == 1024  # type: ignore[union-attr]
+    deep = [build_in_format(probe_config(cfg, n), "fp32") for n in (1, 6)]
+    assert arch_rates.probe_evictors(cfg, deep, (1, 6))[1] is None
+
+
+def nbytes(model: Transformer) -> float:
+    from kiln.deploy.generate_job import weight_bytes_per_token
+
+    return float(weight_bytes_per_token(model))
